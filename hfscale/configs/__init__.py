@@ -1,0 +1,1 @@
+"""Strategy -> what the real tools consume: accelerate config YAML, DeepSpeed JSON, FSDP, TrainingArguments."""
