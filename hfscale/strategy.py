@@ -19,6 +19,7 @@ FsdpSharding = Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"
 Device = Literal["cuda", "cpu"]
 
 EIGHT_BIT_OPTIMIZERS: frozenset[str] = frozenset({"adamw_bnb_8bit", "paged_adamw_8bit"})
+NON_ADAM_OPTIMIZERS: frozenset[str] = frozenset({"adafactor", "sgd"})
 
 
 class StrategyError(ValueError):
@@ -66,6 +67,12 @@ class DeepSpeedSpec:
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
         if uses_nvme and not self.nvme_path:
             raise StrategyError("deepspeed.nvme_path is required when an offload device is 'nvme'")
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            # ZeRO-1/2 take any offload device as "cpu" (stage_1_and_2.py); only ZeRO-3 swaps to NVMe.
+            raise StrategyError(
+                f"deepspeed.offload_optimizer='nvme' needs deepspeed.zero_stage=3, got {self.zero_stage}: ZeRO-1/2 "
+                "silently keep the optimizer states in CPU memory instead; use 'cpu' or stage 3"
+            )
 
     @property
     def offloads(self) -> bool:
@@ -92,6 +99,11 @@ class FsdpSpec:
         _check_choice("fsdp", "sharding", self.sharding, get_args(FsdpSharding))
         _check_choice("fsdp", "version", self.version, (1, 2))
         _check_choice("fsdp", "auto_wrap", self.auto_wrap, ("transformer_layer", "none"))
+        if self.version == 2 and self.sharding == "no_shard":
+            raise StrategyError(
+                "fsdp.sharding='no_shard' with fsdp.version=2: FSDP2 has no unsharded mode (accelerate and "
+                "transformers accept only full_shard/shard_grad_op/hybrid_shard); leave fsdp unset for plain DDP"
+            )
         if self.transformer_layer_cls is not None and self.auto_wrap != "transformer_layer":
             raise StrategyError(
                 "fsdp.transformer_layer_cls is set but fsdp.auto_wrap is 'none': the class is only used by "
@@ -166,6 +178,12 @@ class Strategy:
                 "fsdp.sharding='hybrid_shard' needs strategy.num_machines >= 2: it shards within a machine and "
                 "replicates across machines; on one machine use 'full_shard'"
             )
+        if self.fsdp is not None and self.fsdp.sharding == "hybrid_shard" and self.num_processes == self.num_machines:
+            raise StrategyError(
+                f"fsdp.sharding='hybrid_shard' with strategy.num_processes={self.num_processes} on "
+                f"strategy.num_machines={self.num_machines}: one process per machine leaves nothing to shard within "
+                "a machine (a 1-wide shard dimension); use more processes per machine or plain DDP"
+            )
 
     def _check_device(self) -> None:
         if self.device != "cpu":
@@ -179,6 +197,13 @@ class Strategy:
             raise StrategyError(
                 "fsdp.version=1 with strategy.device='cpu': FSDP1 needs an accelerator device; use fsdp.version=2"
             )
+        if self.fsdp is not None and self.fsdp.cpu_offload:
+            # accelerate builds CPUOffloadPolicy() (pin_memory=True); pinning without an accelerator raises
+            # "Cannot access accelerator device when none is available" (measured, torch 2.13 CPU).
+            raise StrategyError(
+                "fsdp.cpu_offload=True with strategy.device='cpu': the parameters already live in CPU memory, and "
+                "FSDP2's offload pins host memory, which fails without an accelerator; drop fsdp.cpu_offload"
+            )
 
     def _check_optimizer(self) -> None:
         if (
@@ -190,6 +215,18 @@ class Strategy:
                 f"strategy.optimizer={self.optimizer!r} with deepspeed.offload_optimizer="
                 f"{self.deepspeed.offload_optimizer!r}: ZeRO-Offload replaces the optimizer with DeepSpeed's own "
                 "CPU Adam, so the 8-bit states would never exist; drop the offload or use 'adamw_torch'"
+            )
+        if (
+            self.optimizer in NON_ADAM_OPTIMIZERS
+            and self.deepspeed is not None
+            and self.deepspeed.offload_optimizer != "none"
+        ):
+            # DeepSpeed refuses a client optimizer under ZeRO-Offload ("You are using ZeRO-Offload with a client
+            # provided optimizer"), so the generated config names its AdamW, which would replace this one.
+            raise StrategyError(
+                f"strategy.optimizer={self.optimizer!r} with deepspeed.offload_optimizer="
+                f"{self.deepspeed.offload_optimizer!r}: ZeRO-Offload runs DeepSpeed's own CPU AdamW and refuses "
+                "other optimizers; drop the offload or use 'adamw_torch'"
             )
 
     # -- derived views -------------------------------------------------------------------------------------
@@ -273,6 +310,7 @@ def _reject_unknown(owner: str, data: dict[str, Any], cls: type) -> None:
 
 __all__ = [
     "EIGHT_BIT_OPTIMIZERS",
+    "NON_ADAM_OPTIMIZERS",
     "DeepSpeedSpec",
     "FsdpSpec",
     "Strategy",

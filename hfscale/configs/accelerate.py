@@ -1,0 +1,170 @@
+"""Strategy -> the config YAML that ``accelerate launch --config_file`` reads, and the command that launches it.
+
+What the YAML decides is *how many processes start and with which launcher*; the Trainer decides the rest from
+``TrainingArguments``. Launchers by ``distributed_type`` (accelerate 1.15, ``accelerate/commands/launch.py``):
+
+==============  ===============================================  ============================================
+strategy        distributed_type                                 launcher
+==============  ===============================================  ============================================
+1 process       ``NO``                                           the script in this process's interpreter
+DDP             ``MULTI_GPU``                                    torchrun (``torch.distributed.run``)
+DeepSpeed       ``DEEPSPEED``                                    torchrun; ``deepspeed_multinode_launcher:
+                                                                 standard`` keeps it torchrun across machines
+FSDP            ``FSDP``                                         torchrun, with ``FSDP_*`` variables set
+==============  ===============================================  ============================================
+
+On a CPU-only machine ``MULTI_GPU`` is what starts N real ranks (gloo DDP once ``TrainingArguments.use_cpu`` is
+set); ``MULTI_CPU`` / ``--cpu`` means mpirun and without it starts a single process. So ``use_cpu`` here is only
+recorded for single-process runs; the Trainer's ``use_cpu`` is what keeps the ranks on the CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hfscale.configs.fsdp import fsdp_plugin_kwargs, parallelism_config
+from hfscale.strategy import Strategy
+
+
+def _distributed_type(strategy: Strategy) -> str:
+    if strategy.deepspeed is not None:
+        return "DEEPSPEED"
+    if strategy.fsdp is not None:
+        return "FSDP"
+    if strategy.num_processes > 1 or strategy.num_machines > 1:
+        return "MULTI_GPU"
+    return "NO"
+
+
+def _deepspeed_section(strategy: Strategy, deepspeed_config_file: str | None) -> dict[str, Any]:
+    spec = strategy.deepspeed
+    if spec is None:
+        raise ValueError("the strategy has no DeepSpeed section (strategy.deepspeed is None)")
+    section: dict[str, Any] = {"zero3_init_flag": spec.zero_stage == 3}
+    if strategy.num_machines > 1:
+        # torchrun on every machine, like DDP; the default (pdsh) needs passwordless ssh and a hostfile.
+        section["deepspeed_multinode_launcher"] = "standard"
+    if deepspeed_config_file is not None:
+        # accelerate refuses zero_stage/offload/mixed_precision next to a config file ("will be ignored"):
+        # the JSON holds them.
+        section["deepspeed_config_file"] = str(deepspeed_config_file)
+        return section
+    # No JSON: accelerate's own keys, which it turns into a DeepSpeed config itself.
+    if "nvme" in (spec.offload_optimizer, spec.offload_param):
+        # accelerate launch passes the offload devices to the processes but not the NVMe paths (only
+        # ACCELERATE_DEEPSPEED_OFFLOAD_*_DEVICE are set), so DeepSpeed would get nvme_path "none".
+        raise ValueError(
+            "NVMe offload needs a DeepSpeed JSON (deepspeed_config_file): accelerate launch does not pass "
+            "offload_*_nvme_path from its YAML to the processes"
+        )
+    section |= {
+        "zero_stage": spec.zero_stage,
+        "offload_optimizer_device": spec.offload_optimizer,
+        "offload_param_device": spec.offload_param,
+        "gradient_accumulation_steps": strategy.gradient_accumulation_steps,
+        "gradient_clipping": 1.0,
+        "zero3_save_16bit_model": spec.zero_stage == 3,
+    }
+    return section
+
+
+def accelerate_config(
+    strategy: Strategy,
+    *,
+    deepspeed_config_file: str | None = None,
+    transformer_layer_cls: str | None = None,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+) -> dict[str, Any]:
+    """The accelerate config (``ClusterConfig``) for a strategy, as a dict ready for ``yaml.safe_dump``.
+
+    Args:
+        strategy: the strategy.
+        deepspeed_config_file: path of the DeepSpeed JSON; with it the YAML only points at the file. Without it a
+            DeepSpeed strategy is written with accelerate's own ``zero_stage``/``offload_*`` keys.
+        transformer_layer_cls: FSDP block class to wrap, overriding ``strategy.fsdp.transformer_layer_cls``.
+        machine_rank: this machine's rank, 0 .. num_machines - 1.
+        main_process_ip: address of machine 0; required when ``strategy.num_machines > 1``.
+        main_process_port: rendezvous port on machine 0; None lets accelerate use 29500 (or a free one when that
+            is taken, on one machine).
+
+    Raises:
+        ValueError: on a machine rank out of range, a multi-machine strategy without ``main_process_ip``, or a
+            DeepSpeed config file for a strategy without DeepSpeed, or NVMe offload without a DeepSpeed config
+            file (accelerate does not pass NVMe paths from its YAML to the processes).
+    """
+    if (
+        isinstance(machine_rank, bool)
+        or not isinstance(machine_rank, int)
+        or not 0 <= machine_rank < strategy.num_machines
+    ):
+        raise ValueError(
+            f"machine_rank={machine_rank!r} is out of range for strategy.num_machines={strategy.num_machines}"
+        )
+    if strategy.num_machines > 1 and not main_process_ip:
+        raise ValueError(
+            f"strategy.num_machines={strategy.num_machines} needs main_process_ip (the address of machine 0)"
+        )
+    if deepspeed_config_file is not None and strategy.deepspeed is None:
+        raise ValueError("deepspeed_config_file given, but the strategy uses no DeepSpeed")
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": _distributed_type(strategy),
+        "debug": False,
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "gpu_ids": "all",
+        "machine_rank": machine_rank,
+        "main_training_function": "main",
+        "num_machines": strategy.num_machines,
+        "num_processes": strategy.num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": strategy.device == "cpu",
+    }
+    if strategy.deepspeed is None or deepspeed_config_file is None:
+        # With a DeepSpeed JSON, precision is its "auto" fp16/bf16 (filled from TrainingArguments); accelerate
+        # refuses mixed_precision next to deepspeed_config_file.
+        config["mixed_precision"] = "no" if strategy.precision == "fp32" else strategy.precision
+    if main_process_ip is not None:
+        config["main_process_ip"] = main_process_ip
+    if main_process_port is not None:
+        config["main_process_port"] = int(main_process_port)
+    if strategy.deepspeed is not None:
+        config["deepspeed_config"] = _deepspeed_section(strategy, deepspeed_config_file)
+    if strategy.fsdp is not None:
+        config["fsdp_config"] = fsdp_plugin_kwargs(strategy, transformer_layer_cls=transformer_layer_cls)
+        mesh = parallelism_config(strategy)
+        if mesh:
+            config["parallelism_config"] = mesh
+    return config
+
+
+def launch_command(
+    config_file: str,
+    target: list[str],
+    *,
+    main_process_port: int | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The argv that runs ``target`` under ``accelerate launch --config_file config_file``.
+
+    ``target`` is a script and its arguments (``["train.py", "--epochs", "1"]``) or a module
+    (``["-m", "hfscale.trial", "spec.json"]``; accelerate's ``-m``/``--module`` makes the script name a module).
+    accelerate is run as ``python -m accelerate.commands.launch`` so the launcher is the one installed for
+    ``python``, whatever is on PATH. Pass the list to ``subprocess`` as is (no shell).
+
+    Raises:
+        ValueError: when ``target`` is empty.
+    """
+    if not target:
+        raise ValueError("launch_command: target is empty; give a script (and its arguments) or -m MODULE")
+    cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+    if main_process_port is not None:
+        cmd += ["--main_process_port", str(int(main_process_port))]
+    return cmd + [str(part) for part in target]
+
+
+__all__ = ["accelerate_config", "launch_command"]

@@ -1,0 +1,173 @@
+"""``hfscale config``: write the accelerate YAML, DeepSpeed JSON and TrainingArguments for one strategy.
+
+Example::
+
+    hfscale config --bf16 --gradient-checkpointing --zero-stage 3 --offload-optimizer cpu \\
+        --num-processes 8 --out configs/zero3
+
+writes ``configs/zero3/{accelerate.yaml,deepspeed.json,training_args.json}`` and prints the
+``accelerate launch`` command that uses them. A contradictory strategy exits with status 2 and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import get_args
+
+from hfscale.strategy import (
+    DeepSpeedSpec,
+    FsdpSharding,
+    FsdpSpec,
+    OffloadDevice,
+    Optimizer,
+    Strategy,
+    StrategyError,
+    precision_from_flags,
+)
+
+PROG = "hfscale config"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Write accelerate.yaml, deepspeed.json (with --zero-stage) and training_args.json for a training "
+            "strategy, and print the accelerate launch command that uses them."
+        ),
+    )
+    parser.add_argument("--out", required=True, type=Path, help="folder to write the configs into (created)")
+    parser.add_argument("--name", default="baseline", help="strategy label (default: %(default)s)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default: %(default)s")
+
+    train = parser.add_argument_group("precision, memory and optimizer")
+    train.add_argument("--fp16", action="store_true", help="fp16 mixed precision (GPU only)")
+    train.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    train.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward (FSDP: its own)"
+    )
+    train.add_argument("--optim", choices=get_args(Optimizer), default="adamw_torch", help="default: %(default)s")
+    train.add_argument("--batch-size", type=int, default=8, help="per-device batch size (default: %(default)s)")
+    train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
+
+    ds = parser.add_argument_group("DeepSpeed ZeRO (on when --zero-stage is given)")
+    ds.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    offload_choices = [c for c in get_args(OffloadDevice) if c != "none"]
+    ds.add_argument("--offload-optimizer", choices=offload_choices, help="offload optimizer states (stage 1-3)")
+    ds.add_argument("--offload-param", choices=offload_choices, help="offload parameters (stage 3)")
+    ds.add_argument("--nvme-path", help="folder for NVMe offload")
+
+    fsdp = parser.add_argument_group("PyTorch FSDP (on when --fsdp is given)")
+    fsdp.add_argument(
+        "--fsdp",
+        nargs="?",
+        const="full_shard",
+        choices=get_args(FsdpSharding),
+        help="FSDP with this sharding (default when given without a value: full_shard)",
+    )
+    fsdp.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2, help="default: %(default)s")
+    fsdp.add_argument("--fsdp-cpu-offload", action="store_true", help="keep sharded parameters in CPU memory")
+    fsdp.add_argument(
+        "--fsdp-layer-cls", help="transformer block class to wrap, e.g. LlamaDecoderLayer (default: the model's)"
+    )
+
+    dist = parser.add_argument_group("processes and machines")
+    dist.add_argument("--num-processes", type=int, default=1, help="processes on all machines (default: 1)")
+    dist.add_argument("--num-machines", type=int, default=1, help="default: %(default)s")
+    dist.add_argument("--machine-rank", type=int, default=0, help="this machine's rank (default: %(default)s)")
+    dist.add_argument("--main-process-ip", help="address of machine 0 (needed with --num-machines > 1)")
+    dist.add_argument("--main-process-port", type=int, help="rendezvous port on machine 0")
+    return parser
+
+
+def strategy_from_args(args: argparse.Namespace) -> Strategy:
+    """The :class:`Strategy` the command-line options describe.
+
+    Raises:
+        StrategyError: on contradictory options.
+    """
+    ds_only = {
+        "--offload-optimizer": args.offload_optimizer,
+        "--offload-param": args.offload_param,
+        "--nvme-path": args.nvme_path,
+    }
+    deepspeed = None
+    if args.zero_stage is not None:
+        deepspeed = DeepSpeedSpec(
+            zero_stage=args.zero_stage,
+            offload_optimizer=args.offload_optimizer or "none",
+            offload_param=args.offload_param or "none",
+            nvme_path=args.nvme_path,
+        )
+    elif given := [flag for flag, value in ds_only.items() if value is not None]:
+        raise StrategyError(f"{', '.join(given)} configure DeepSpeed ZeRO: add --zero-stage 1, 2 or 3")
+    fsdp = None
+    if args.fsdp is not None:
+        fsdp = FsdpSpec(
+            sharding=args.fsdp,
+            version=args.fsdp_version,
+            cpu_offload=args.fsdp_cpu_offload,
+            transformer_layer_cls=args.fsdp_layer_cls,
+        )
+    elif args.fsdp_cpu_offload or args.fsdp_layer_cls:
+        raise StrategyError("--fsdp-cpu-offload and --fsdp-layer-cls configure FSDP: add --fsdp")
+    return Strategy(
+        name=args.name,
+        device=args.device,
+        precision=precision_from_flags(fp16=args.fp16, bf16=args.bf16),
+        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer=args.optim,
+        per_device_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        deepspeed=deepspeed,
+        fsdp=fsdp,
+        num_processes=args.num_processes,
+        num_machines=args.num_machines,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): return it instead of exiting the caller
+        return int(exc.code or 0)
+    from hfscale.configs import write_configs
+
+    try:
+        strategy = strategy_from_args(args)
+        generated = write_configs(
+            strategy,
+            args.out,
+            transformer_layer_cls=args.fsdp_layer_cls,
+            machine_rank=args.machine_rank,
+            main_process_ip=args.main_process_ip,
+            main_process_port=args.main_process_port,
+        )
+    except (StrategyError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+    print(f"strategy: {strategy.describe()}")
+    print("wrote:")
+    for path in (generated.accelerate_yaml, generated.deepspeed_json, generated.training_args_json):
+        if path is not None:
+            print(f"  {path}")
+    launch = ["accelerate", "launch", "--config_file", str(generated.accelerate_yaml)]
+    print("\nlaunch your training script with:")
+    if strategy.num_machines > 1:
+        print(f"  (on machine R of {strategy.num_machines}, R = 0 .. {strategy.num_machines - 1})")
+        launch += ["--machine_rank", "R"]
+    print(f"  {shlex.join(launch)} your_script.py")
+    print(
+        "\nand build its TrainingArguments from training_args.json:\n"
+        f"  TrainingArguments(output_dir=..., **json.load(open({str(generated.training_args_json)!r})))"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Strategy -> DeepSpeed ZeRO JSON, in the shape the Hugging Face Trainer fills in.
+
+Values the Trainer knows (batch sizes, gradient clipping, precision, learning rate) are written as ``"auto"``:
+``transformers.integrations.HfTrainerDeepSpeedConfig`` replaces each with the ``TrainingArguments`` value, so the
+JSON and the arguments cannot disagree. Bucket sizes that depend on the model's hidden size are ``"auto"`` too and
+are filled once the model is known.
+
+The optimizer is left to the Trainer (its ``optim``), except under ZeRO-Offload: DeepSpeed refuses a client
+optimizer there ("You are using ZeRO-Offload with a client provided optimizer ..."), so the JSON names DeepSpeed's
+AdamW, which it runs as its CPU Adam. :class:`hfscale.strategy.Strategy` rejects optimizers that would be silently
+replaced that way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hfscale.strategy import DeepSpeedSpec, Strategy
+
+# DeepSpeed prints a line every `steps_per_print` steps; the Trainer logs on its own.
+_STEPS_PER_PRINT = 1_000_000
+
+
+def _offload_section(device: str, spec: DeepSpeedSpec, *, pin_memory: bool) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "pin_memory": pin_memory}
+    if device == "nvme":
+        section["nvme_path"] = spec.nvme_path
+    return section
+
+
+def zero_optimization(strategy: Strategy) -> dict[str, Any]:
+    """The ``zero_optimization`` section alone (also what accelerate's YAML would embed)."""
+    spec = strategy.deepspeed
+    if spec is None:
+        raise ValueError("zero_optimization: the strategy has no DeepSpeed section")
+    # Pinned host memory needs a CUDA runtime; on a CPU-only run torch refuses to pin.
+    pin_memory = strategy.device == "cuda"
+    zero: dict[str, Any] = {"stage": spec.zero_stage}
+    if spec.zero_stage >= 1:
+        zero |= {
+            "overlap_comm": strategy.device == "cuda",
+            "contiguous_gradients": True,
+            "reduce_bucket_size": "auto",
+        }
+    if spec.zero_stage in (1, 2):
+        zero |= {"allgather_partitions": True, "allgather_bucket_size": 200_000_000, "reduce_scatter": True}
+    if spec.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload_section(spec.offload_optimizer, spec, pin_memory=pin_memory)
+    if spec.offload_param != "none":
+        zero["offload_param"] = _offload_section(spec.offload_param, spec, pin_memory=pin_memory)
+    if spec.zero_stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "sub_group_size": 1_000_000_000,
+            # Save a consolidated 16-bit state dict, as `Trainer.save_model` expects.
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+    return zero
+
+
+def deepspeed_config(strategy: Strategy) -> dict[str, Any] | None:
+    """The DeepSpeed JSON for ``TrainingArguments(deepspeed=...)``, or None when the strategy uses no DeepSpeed.
+
+    Every value the Trainer owns is ``"auto"``; load it with ``HfTrainerDeepSpeedConfig`` to see the filled-in
+    values.
+    """
+    spec = strategy.deepspeed
+    if spec is None:
+        return None
+    config: dict[str, Any] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "fp16": {
+            "enabled": "auto",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero_optimization(strategy),
+        "steps_per_print": _STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if spec.offload_optimizer != "none":
+        # ZeRO-Offload runs the step on the CPU with DeepSpeed's own Adam; a client optimizer is refused.
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+    if "nvme" in (spec.offload_optimizer, spec.offload_param):
+        # Asynchronous I/O settings for ZeRO-Infinity, DeepSpeed's documented defaults.
+        config["aio"] = {
+            "block_size": 1_048_576,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
+    return config
+
+
+__all__ = ["deepspeed_config", "zero_optimization"]

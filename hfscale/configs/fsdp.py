@@ -1,0 +1,111 @@
+"""Strategy -> PyTorch FSDP settings, in the two shapes the libraries read them.
+
+* :func:`fsdp_plugin_kwargs`: the ``fsdp_config`` section of an accelerate config YAML (``fsdp_``-prefixed keys,
+  as ``accelerate config`` writes them); ``accelerate launch`` turns them into ``FSDP_*`` environment variables.
+* :func:`fsdp_training_args`: ``fsdp`` / ``fsdp_config`` for ``transformers.TrainingArguments``, which builds
+  accelerate's ``FullyShardedDataParallelPlugin`` from them.
+
+Both come from one table, so the launcher and the Trainer always agree.
+
+Sharding strategies map onto FSDP2 as transformers and accelerate do: ``full_shard`` is
+``reshard_after_forward=True``, ``shard_grad_op`` is ``False`` (parameters stay gathered from forward to
+backward), ``hybrid_shard`` is full sharding inside a machine plus replication across machines, which FSDP2
+expresses as a 2-D device mesh (accelerate's ``parallelism_config``: ``dp_replicate_size`` machines x
+``dp_shard_size`` processes each). FSDP2 has no ``no_shard``; :class:`~hfscale.strategy.Strategy` rejects it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hfscale.strategy import FsdpSpec, Strategy
+
+# FSDP2 checkpoints per rank by default (no gather to rank 0); FSDP1 keeps the HF-compatible single file.
+_STATE_DICT_TYPE = {1: "FULL_STATE_DICT", 2: "SHARDED_STATE_DICT"}
+
+
+def _spec(strategy: Strategy) -> FsdpSpec:
+    if strategy.fsdp is None:
+        raise ValueError("the strategy has no FSDP section (strategy.fsdp is None)")
+    return strategy.fsdp
+
+
+def _layer_cls(spec: FsdpSpec, transformer_layer_cls: str | None) -> str | None:
+    if spec.auto_wrap != "transformer_layer":
+        return None
+    return transformer_layer_cls or spec.transformer_layer_cls
+
+
+def _settings(strategy: Strategy, transformer_layer_cls: str | None) -> dict[str, Any]:
+    """The FSDP settings without prefix, in ``TrainingArguments.fsdp_config`` spelling."""
+    spec = _spec(strategy)
+    settings: dict[str, Any] = {"version": spec.version}
+    if spec.version == 2:
+        settings["reshard_after_forward"] = spec.sharding != "shard_grad_op"
+    else:
+        settings["reshard_after_forward"] = spec.sharding.upper()
+    settings["cpu_offload"] = spec.cpu_offload
+    settings["auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP" if spec.auto_wrap == "transformer_layer" else "NO_WRAP"
+    layer_cls = _layer_cls(spec, transformer_layer_cls)
+    if layer_cls is not None:
+        settings["transformer_layer_cls_to_wrap"] = layer_cls
+    settings["state_dict_type"] = _STATE_DICT_TYPE[spec.version]
+    # Models are built in every process; loading on rank 0 only and broadcasting is for big pretrained weights.
+    settings["cpu_ram_efficient_loading"] = False
+    # FSDP's own activation checkpointing: the Trainer's `activation_checkpointing` with FSDP adds a redundant
+    # all-gather in backward, and the Trainer refuses both at once.
+    settings["activation_checkpointing"] = strategy.gradient_checkpointing
+    if spec.version == 1:
+        settings |= {
+            "backward_prefetch": "BACKWARD_PRE",
+            "forward_prefetch": False,
+            "use_orig_params": True,
+            "sync_module_states": True,
+        }
+    return settings
+
+
+def fsdp_plugin_kwargs(strategy: Strategy, *, transformer_layer_cls: str | None = None) -> dict[str, Any]:
+    """The ``fsdp_config`` section of an accelerate config YAML.
+
+    Args:
+        strategy: a strategy with ``fsdp`` set.
+        transformer_layer_cls: the block class to wrap (e.g. ``"BertLayer"``); overrides
+            ``strategy.fsdp.transformer_layer_cls``. None leaves it to the model's ``_no_split_modules``.
+
+    Raises:
+        ValueError: when the strategy has no FSDP section.
+    """
+    settings = _settings(strategy, transformer_layer_cls)
+    # accelerate's YAML names the offload flag after what it offloads.
+    settings["offload_params"] = settings.pop("cpu_offload")
+    return {f"fsdp_{key}": value for key, value in settings.items()}
+
+
+def fsdp_training_args(strategy: Strategy, *, transformer_layer_cls: str | None = None) -> dict[str, Any]:
+    """``fsdp`` and ``fsdp_config`` keywords for ``transformers.TrainingArguments`` (empty without FSDP)."""
+    if strategy.fsdp is None:
+        return {}
+    settings = _settings(strategy, transformer_layer_cls)
+    if "transformer_layer_cls_to_wrap" in settings:
+        settings["transformer_layer_cls_to_wrap"] = [settings["transformer_layer_cls_to_wrap"]]
+    if strategy.fsdp.version == 1:
+        settings["reshard_after_forward"] = settings["reshard_after_forward"].lower()
+        settings["backward_prefetch"] = settings["backward_prefetch"].lower()
+    return {"fsdp": True, "fsdp_config": settings}
+
+
+def parallelism_config(strategy: Strategy) -> dict[str, Any]:
+    """accelerate's ``parallelism_config`` YAML section: the 2-D mesh FSDP2 uses for ``hybrid_shard``, else empty."""
+    spec = strategy.fsdp
+    if spec is None or spec.version != 2 or spec.sharding != "hybrid_shard":
+        return {}
+    return {
+        "parallelism_config_dp_replicate_size": strategy.num_machines,
+        "parallelism_config_dp_shard_size": strategy.num_processes // strategy.num_machines,
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 1,
+    }
+
+
+__all__ = ["fsdp_plugin_kwargs", "fsdp_training_args", "parallelism_config"]

@@ -1,0 +1,75 @@
+"""Strategy -> keyword arguments for ``transformers.TrainingArguments``.
+
+Only what the strategy decides is here (precision, checkpointing, optimizer, batch, DeepSpeed/FSDP, device);
+learning rate, logging and the rest come from the recipe and are merged under these by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from hfscale.configs.fsdp import fsdp_training_args
+from hfscale.strategy import Strategy
+
+
+@functools.cache
+def _checkpointing_names() -> tuple[str, str]:
+    """``activation_checkpointing`` since transformers 5 renamed it; ``gradient_checkpointing`` before (the old
+    name is a deprecated alias that warns on every construction)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:  # generating configs does not need transformers; the trial does.
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__:
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
+
+
+def training_args_kwargs(
+    strategy: Strategy,
+    *,
+    deepspeed_config_path: str | None = None,
+    transformer_layer_cls: str | None = None,
+) -> dict[str, Any]:
+    """The strategy's share of ``TrainingArguments(output_dir=..., **kwargs)``.
+
+    Args:
+        strategy: the strategy.
+        deepspeed_config_path: where :func:`hfscale.configs.deepspeed.deepspeed_config` was written; required when
+            the strategy uses DeepSpeed (a dict would do for the Trainer, but a file is what a user reruns).
+        transformer_layer_cls: FSDP block class to wrap, overriding ``strategy.fsdp.transformer_layer_cls``.
+
+    Raises:
+        ValueError: when the strategy uses DeepSpeed and no config path is given, or the reverse.
+    """
+    if strategy.deepspeed is not None and deepspeed_config_path is None:
+        raise ValueError("training_args_kwargs: the strategy uses DeepSpeed, pass deepspeed_config_path")
+    if strategy.deepspeed is None and deepspeed_config_path is not None:
+        raise ValueError("training_args_kwargs: deepspeed_config_path given, but the strategy uses no DeepSpeed")
+    ckpt, ckpt_kwargs = _checkpointing_names()
+    kwargs: dict[str, Any] = {
+        "bf16": strategy.precision == "bf16",
+        "fp16": strategy.precision == "fp16",
+        "optim": strategy.optimizer,
+        "per_device_train_batch_size": strategy.per_device_batch_size,
+        "gradient_accumulation_steps": strategy.gradient_accumulation_steps,
+        # On CPU this also makes multi-process runs use gloo DDP (accelerate's MULTI_GPU launcher on CPU).
+        "use_cpu": strategy.device == "cpu",
+    }
+    # With FSDP, checkpointing is FSDP's own (fsdp_config.activation_checkpointing); the Trainer refuses both.
+    model_ckpt = strategy.gradient_checkpointing and strategy.fsdp is None
+    kwargs[ckpt] = model_ckpt
+    if model_ckpt:
+        # Non-reentrant checkpointing works with frozen inputs, DDP and ZeRO-3; reentrant is the legacy default.
+        kwargs[ckpt_kwargs] = {"use_reentrant": False}
+    if strategy.deepspeed is not None:
+        kwargs["deepspeed"] = str(deepspeed_config_path)
+    kwargs |= fsdp_training_args(strategy, transformer_layer_cls=transformer_layer_cls)
+    if strategy.distributed:
+        # Without this the logged loss is the sum over ranks (measured: x world size).
+        kwargs["average_tokens_across_devices"] = False
+    return kwargs
+
+
+__all__ = ["training_args_kwargs"]
