@@ -1,0 +1,233 @@
+"""The environment a sweep ran in, as ``environment.json`` records it: machine, GPUs, library versions, commit.
+
+The sweep's own process never initialises CUDA (a context would hold GPU memory through every trial): GPUs are
+read through NVML (``pynvml``, the ``gpu`` extra) and, where NVML is missing, in a short child process with torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+PACKAGES: tuple[str, ...] = (
+    "hfscale",
+    "torch",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "bitsandbytes",
+    "datasets",
+    "nvidia-ml-py",
+)
+"""Distributions whose versions are recorded (None when not installed)."""
+
+ENV_VARS: tuple[str, ...] = (
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TORCH_EXTENSIONS_DIR",
+    "NCCL_P2P_DISABLE",
+    "NCCL_IB_DISABLE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "HF_HUB_OFFLINE",
+)
+"""Environment variables that change what a trial measures, recorded when set."""
+
+_TORCH_PROBE = """
+import json, torch
+out = {"cuda_version": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "gpus": []}
+if out["cuda_available"]:
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out["gpus"].append({"index": i, "name": p.name, "memory_total_gib": p.total_memory / 2**30,
+                            "compute_capability": f"{p.major}.{p.minor}"})
+    out["cudnn_version"] = torch.backends.cudnn.version()
+print(json.dumps(out))
+"""
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of :data:`PACKAGES`, read from their metadata (nothing is imported)."""
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _nvml_gpus() -> dict[str, Any]:
+    try:
+        import pynvml
+    except ImportError:
+        return {"nvml_error": "pynvml is not installed (pip install 'hfscale[gpu]')"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound and friends: no NVIDIA driver here
+        return {"nvml_error": f"{type(exc).__name__}: {exc}"}
+    try:
+        out: dict[str, Any] = {"driver_version": _text(pynvml.nvmlSystemGetDriverVersion())}
+        try:
+            cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+            out["cuda_driver_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        except Exception:  # older drivers
+            pass
+        visible = _visible_indices(pynvml.nvmlDeviceGetCount())
+        gpus = []
+        for index in visible:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gpus.append(
+                {
+                    "index": index,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "memory_total_gib": pynvml.nvmlDeviceGetMemoryInfo(handle).total / GIB,
+                }
+            )
+        out["gpus"] = gpus
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _visible_indices(count: int) -> list[int]:
+    """NVML indices of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible (all when unset; UUIDs are not mapped)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    out = []
+    for part in visible.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            return list(range(count))
+        if int(part) < count:
+            out.append(int(part))
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _torch_probe(python: str) -> dict[str, Any]:
+    """CUDA facts from torch in a child process, so this process never holds a CUDA context."""
+    try:
+        done = subprocess.run([python, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"torch_probe_error": str(exc)}
+    if done.returncode != 0:
+        return {"torch_probe_error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _driver_from_proc() -> str | None:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    for word in text.split():
+        if word[:1].isdigit() and "." in word:
+            return word
+    return None
+
+
+def gpu_info(*, python: str = sys.executable) -> dict[str, Any]:
+    """GPUs (index, name, ``memory_total_gib``), ``gpu_count``, driver and CUDA versions.
+
+    NVML first; where it is missing, torch in a child process (skipped for a CPU-only torch build).
+    """
+    info = _nvml_gpus()
+    torch_version = package_versions().get("torch")
+    if torch_version is None or "+cpu" in torch_version:
+        info.setdefault("gpus", [])
+        info["cuda_version"] = None
+    else:
+        probe = _torch_probe(python)
+        if "gpus" not in info:  # no NVML: torch's view, and the driver from /proc
+            info["gpus"] = probe.get("gpus", [])
+            if driver := _driver_from_proc():
+                info["driver_version"] = driver
+        info.update({k: v for k, v in probe.items() if k != "gpus"})
+    info["gpu_count"] = len(info["gpus"])
+    return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _memory_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def git_commit(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``path`` (default: hfscale's own source),
+    or None outside a checkout or without git."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": sha, "dirty": bool(status.strip())}
+
+
+def collect_environment(*, python: str = sys.executable, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record written to ``environment.json``.
+
+    Args:
+        python: the interpreter the trials run with (its torch is the one probed).
+        extra: more keys to record (the sweep adds its launch: processes, machines, command line).
+    """
+    record: dict[str, Any] = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "host_memory_total_gib": _memory_total_gib(),
+    }
+    record.update(gpu_info(python=python))
+    record["packages"] = package_versions()
+    record["git"] = git_commit()
+    record["env"] = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+    record.update(extra or {})
+    return record
+
+
+__all__ = ["ENV_VARS", "PACKAGES", "collect_environment", "git_commit", "gpu_info", "package_versions"]

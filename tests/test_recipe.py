@@ -1,0 +1,230 @@
+"""Recipe loading: what a user gets back for a good recipe, and the message for each kind of mistake."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hfscale.recipe import Recipe, RecipeError, load_recipe, parse_recipe
+
+BASE = {
+    "device": "cpu",
+    "model": {"type": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2}},
+    "data": {"num_samples": 16, "seq_len": 32},
+    "training_args": {"learning_rate": "5e-5", "logging_steps": 1},
+    "measure": {"max_steps": 3, "warmup_steps": 1, "timeout_s": 60},
+    "defaults": {"per_device_batch_size": 4},
+    "trials": [{"name": "fp32"}, {"name": "bf16", "precision": "bf16"}],
+}
+
+
+def write(tmp_path: Path, data: dict, name: str = "x.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def with_(**changes) -> dict:
+    return {**BASE, **changes}
+
+
+def test_load_builds_trials_with_defaults_and_recipe_sections(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE))
+    assert isinstance(recipe, Recipe)
+    assert recipe.name == "x"  # the file's stem
+    assert recipe.trial_names == ["fp32", "bf16"]
+    assert recipe.baseline == "fp32"  # the first trial unless named
+    fp32, bf16 = (t.spec for t in recipe.trials)
+    assert fp32.strategy.per_device_batch_size == bf16.strategy.per_device_batch_size == 4
+    assert (fp32.strategy.precision, bf16.strategy.precision) == ("fp32", "bf16")
+    assert fp32.strategy.device == "cpu" and fp32.strategy.name == "fp32"
+    assert fp32.model.config == {"hidden_size": 64, "num_hidden_layers": 2}
+    assert (fp32.data.num_samples, fp32.data.seq_len) == (16, 32)
+    assert fp32.measure.max_steps == 3
+    # "5e-5" is a string to PyYAML; a float field of TrainingArguments takes it as the number.
+    assert fp32.training_args["learning_rate"] == pytest.approx(5e-5)
+    assert isinstance(fp32.training_args["learning_rate"], float)
+
+
+def test_matrix_expands_the_product_with_automatic_names(tmp_path):
+    data = with_(
+        trials=[{"name": "baseline"}],
+        matrix={"deepspeed.zero_stage": [1, 2, 3], "precision": ["fp32", "bf16"]},
+        defaults={"num_processes": 2},
+    )
+    recipe = load_recipe(write(tmp_path, data))
+    names = recipe.trial_names
+    assert names[0] == "baseline"
+    assert sorted(names[1:]) == sorted(f"zero{s}-{p}" for s in (1, 2, 3) for p in ("fp32", "bf16"))
+    by_name = {t.name: t.spec.strategy for t in recipe.trials}
+    assert by_name["zero3-bf16"].deepspeed.zero_stage == 3
+    assert by_name["zero3-bf16"].precision == "bf16"
+    assert by_name["zero1-fp32"].num_processes == 2
+    assert by_name["baseline"].deepspeed is None
+
+
+def test_matrix_merges_with_nested_defaults_and_names_booleans(tmp_path):
+    data = with_(
+        trials=[],
+        defaults={"deepspeed": {"zero_stage": 3}, "num_processes": 2},
+        matrix={"gradient_checkpointing": [False, True], "deepspeed.offload_param": ["none", "cpu"]},
+    )
+    recipe = load_recipe(write(tmp_path, data))
+    assert recipe.trial_names == ["default", "param-cpu", "ckpt", "ckpt-param-cpu"]
+    strategy = {t.name: t.spec.strategy for t in recipe.trials}["ckpt-param-cpu"]
+    assert strategy.gradient_checkpointing is True
+    assert (strategy.deepspeed.zero_stage, strategy.deepspeed.offload_param) == (3, "cpu")
+
+
+def test_per_trial_measure_and_run_overrides(tmp_path):
+    data = with_(
+        run={"memory_limit_gib": 8, "env": {"A": "1"}},
+        trials=[
+            {"name": "fp32"},
+            {"name": "short", "measure": {"timeout_s": 5}, "run": {"memory_limit_gib": 2, "env": {"B": "2"}}},
+        ],
+    )
+    recipe = load_recipe(write(tmp_path, data))
+    fp32, short = recipe.trials
+    assert (fp32.spec.measure.timeout_s, short.spec.measure.timeout_s) == (60, 5)
+    assert short.spec.measure.max_steps == 3  # the rest of the recipe's measure stays
+    assert (fp32.run.memory_limit_gib, short.run.memory_limit_gib) == (8, 2)
+    assert short.run.env == {"A": "1", "B": "2"}
+
+
+def test_unpinned_trials_follow_the_launch_pinned_ones_do_not(tmp_path):
+    data = with_(trials=[{"name": "free"}, {"name": "one", "num_processes": 1}])
+    recipe = load_recipe(write(tmp_path, data))
+    free, one = recipe.trial_specs(num_processes=4)
+    assert (free.strategy.num_processes, one.strategy.num_processes) == (4, 1)
+    assert [s.strategy.num_processes for s in recipe.trial_specs()] == [1, 1]
+
+
+def test_launch_counts_that_break_a_strategy_name_the_trial(tmp_path):
+    recipe = load_recipe(write(tmp_path, with_(trials=[{"name": "t"}])))
+    with pytest.raises(
+        RecipeError, match=r"x\.yaml: trials\[0\] \(with the launch's num_processes=3, num_machines=2\)"
+    ):
+        recipe.resolve(num_processes=3, num_machines=2)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"trials": [{"name": "a"}, {"name": "b"}, {"name": "c", "deepspeed": {"zero_stage": 4}}]},
+            r"x\.yaml: trials\[2\]\.deepspeed\.zero_stage: expected one of 0, 1, 2, 3, got 4$",
+        ),
+        (
+            {"trials": [{"name": "a", "deepspeed": {"zero_stag": 2}}]},
+            r"x\.yaml: trials\[0\]\.deepspeed\.zero_stag: unknown key \(did you mean 'zero_stage'\?\)",
+        ),
+        (
+            {"trials": [{"name": "a", "precison": "bf16"}]},
+            r"x\.yaml: trials\[0\]\.precison: unknown key \(did you mean 'precision'\?\); valid keys here are",
+        ),
+        ({"modle": {}}, r"x\.yaml: modle: unknown key \(did you mean 'model'\?\)"),
+        ({"data": {"seq_len": "long"}}, r"x\.yaml: data\.seq_len: expected an integer, got 'long'"),
+        ({"model": {"type": "bert", "task": "qa"}}, r"x\.yaml: model\.task: expected one of 'classification'"),
+        ({"device": "tpu"}, r"x\.yaml: device: expected one of 'cuda', 'cpu', got 'tpu'"),
+        (
+            {"trials": [{"name": "a", "gradient_checkpointing": "yes"}]},
+            r"trials\[0\]\.gradient_checkpointing: expected true or false, got 'yes'",
+        ),
+        (
+            {"trials": [{"name": "a", "per_device_batch_size": True}]},
+            r"trials\[0\]\.per_device_batch_size: expected an integer, got true",
+        ),
+        ({"measure": {"repeats": 0}}, r"x\.yaml: measure\.repeats: expected a positive integer, got 0"),
+        ({"measure": {"timeot_s": 1}}, r"measure\.timeot_s: unknown key \(did you mean 'timeout_s'\?\)"),
+        (
+            {"trials": [{"name": "a", "measure": {"timeout_s": -1}}]},
+            r"trials\[0\]\.measure\.timeout_s: expected a positive number of seconds",
+        ),
+        ({"run": {"memory_limit_gib": 0}}, r"x\.yaml: run: memory_limit_gib: expected a positive number"),
+        (
+            {"training_args": {"per_device_train_batch_size": 8}},
+            r"training_args\.per_device_train_batch_size: set by the strategy's per_device_batch_size",
+        ),
+        ({"training_args": {"bf16": True}}, r"training_args\.bf16: set by the strategy's precision"),
+        ({"training_args": {"optim": "adamw_torch"}}, r"training_args\.optim: set by the strategy's optimizer"),
+        ({"training_args": {"max_steps": 5}}, r"training_args\.max_steps: set by the recipe's measure\.max_steps"),
+        (
+            {"training_args": {"learnig_rate": 1.0}},
+            r"training_args\.learnig_rate: not a transformers\.TrainingArguments field \(did you mean 'learning_rate'",
+        ),
+        ({"defaults": {"device": "cuda"}}, r"defaults\.device: the device is set once, at the top of the recipe"),
+        # A StrategyError keeps its own words, behind the file and the trial's path.
+        (
+            {"trials": [{"name": "a", "precision": "fp16"}]},
+            r"x\.yaml: trials\[0\]: strategy\.precision='fp16' with strategy\.device='cpu'",
+        ),
+        (
+            {"trials": [{"name": "a", "deepspeed": {"zero_stage": 2, "offload_param": "cpu"}}]},
+            r"x\.yaml: trials\[0\]\.deepspeed: deepspeed\.offload_param='cpu' needs deepspeed\.zero_stage=3",
+        ),
+        (
+            {"trials": [{"name": "a", "deepspeed": {"zero_stage": 2}, "fsdp": {"version": 2}}]},
+            r"x\.yaml: trials\[0\]: strategy\.deepspeed and strategy\.fsdp are both set",
+        ),
+        ({"trials": [{"name": "a b"}]}, r"x\.yaml: trials\[0\]: strategy\.name: 'a b' must be non-empty letters"),
+        ({"trials": [], "matrix": None}, r"x\.yaml: no trials: give a `trials:` list and/or a `matrix:`"),
+        ({"baseline": "nope"}, r"x\.yaml: baseline: 'nope' is not a trial; trials are fp32, bf16"),
+        (
+            {"matrix": {"deepspeed.zero_stage": [1, 7]}},
+            r"x\.yaml: matrix\.deepspeed\.zero_stage\[1\]: expected one of 0, 1, 2, 3, got 7",
+        ),
+        ({"matrix": {"precission": ["fp32"]}}, r"x\.yaml: matrix\.precission: unknown key \(did you mean 'precision'"),
+        ({"matrix": {"precision": []}}, r"x\.yaml: matrix\.precision: expected a non-empty list of values"),
+        (
+            {"trials": [], "matrix": {"deepspeed.offload_param": ["cpu"], "deepspeed.zero_stage": [1]}},
+            r"x\.yaml: matrix\[param-cpu-zero1\]\.deepspeed: deepspeed\.offload_param='cpu' needs",
+        ),
+    ],
+)
+def test_errors_name_the_file_and_the_key_path(tmp_path, changes, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write(tmp_path, with_(**changes)))
+
+
+def test_duplicate_names_are_rejected_explicit_and_from_the_matrix(tmp_path):
+    twice = with_(trials=[{"name": "a"}, {"name": "a", "precision": "bf16"}])
+    with pytest.raises(RecipeError, match=r"trials\[1\]: duplicate trial name 'a' \(also trials\[0\]\)"):
+        load_recipe(write(tmp_path, twice))
+    clash = with_(trials=[{"name": "zero2"}], defaults={"num_processes": 2}, matrix={"deepspeed.zero_stage": [2]})
+    with pytest.raises(RecipeError, match=re.escape("matrix[zero2]: duplicate trial name 'zero2' (also trials[0])")):
+        load_recipe(write(tmp_path, clash))
+
+
+def test_a_yaml_syntax_error_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("trials: [\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match=r"broken\.yaml: not valid YAML"):
+        load_recipe(path)
+
+
+def test_parse_recipe_from_data_uses_the_given_source():
+    with pytest.raises(RecipeError, match=r"^inline: trials\[0\]\.optimizer: expected one of"):
+        parse_recipe(with_(trials=[{"name": "a", "optimizer": "lion"}]), source="inline")
+    recipe = parse_recipe(BASE, source="inline", default_name="mine")
+    assert recipe.name == "mine" and recipe.path == "inline"
+
+
+def test_recipe_files_are_read_with_safe_load_only(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("name: !!python/object/apply:os.system ['true']\ntrials: [{name: a}]\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(path)
+
+
+def test_trials_and_defaults_take_dotted_keys_too(tmp_path):
+    data = with_(
+        defaults={"deepspeed.zero_stage": 3, "num_processes": 2},
+        trials=[{"name": "z3"}, {"name": "z3-offload", "deepspeed.offload_optimizer": "cpu"}],
+    )
+    z3, offload = (t.spec.strategy for t in load_recipe(write(tmp_path, data)).trials)
+    assert (z3.deepspeed.zero_stage, z3.deepspeed.offload_optimizer) == (3, "none")
+    assert (offload.deepspeed.zero_stage, offload.deepspeed.offload_optimizer) == (3, "cpu")
