@@ -1,0 +1,173 @@
+"""The trial runner: model and TrainingArguments building, the result file, and a whole trial run in this process
+(one rank; launched runs of every strategy are in tests/test_strategies_cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from conftest import TINY_BERT, TINY_GPT2
+
+from hfscale.configs import write_configs
+from hfscale.strategy import Strategy
+from hfscale.trial import (
+    DEFAULT_SEED,
+    RESULT_SCHEMA_VERSION,
+    DataSpec,
+    MeasureSpec,
+    ModelSpec,
+    TrialOutcome,
+    TrialSpec,
+    build_model,
+    fsdp_block_classes,
+    main,
+    merge_training_args,
+)
+
+CPU = Strategy(name="fp32", device="cpu", per_device_batch_size=4)
+
+
+def tiny_spec(strategy: Strategy = CPU, **changes) -> TrialSpec:
+    fields = dict(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="bert", config=TINY_BERT),
+        data=DataSpec(num_samples=32, seq_len=32),
+        measure=MeasureSpec(max_steps=3, warmup_steps=1),
+    )
+    return TrialSpec(**(fields | changes))
+
+
+# -- building ------------------------------------------------------------------------------------------------------
+
+
+def test_build_model_classification_takes_labels_from_the_data():
+    model = build_model(ModelSpec(type="bert", config=TINY_BERT | {"num_labels": 2}), DataSpec(num_labels=2))
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model.config.hidden_size == 64
+    config = {k: v for k, v in TINY_BERT.items() if k != "num_labels"}
+    assert build_model(ModelSpec(type="bert", config=config), DataSpec(num_labels=5)).config.num_labels == 5
+
+
+def test_build_model_gpt2_causal_and_classifier():
+    lm = build_model(ModelSpec(type="gpt2", task="causal_lm", config=TINY_GPT2), DataSpec())
+    assert type(lm).__name__ == "GPT2LMHeadModel"
+    clf = build_model(ModelSpec(type="gpt2", config=TINY_GPT2), DataSpec())
+    # Decoder classifiers refuse batches without a pad id; dummy data is never padded.
+    assert clf.config.pad_token_id is not None
+    assert not DataSpec().token_low <= clf.config.pad_token_id < DataSpec().token_high
+
+
+def test_build_model_rejects_token_ids_beyond_the_vocabulary():
+    with pytest.raises(ValueError, match=r"data.token_high=30000 exceeds the model's vocab_size=1000"):
+        build_model(ModelSpec(type="bert", config=TINY_BERT | {"vocab_size": 1000}), DataSpec())
+
+
+def test_build_model_loads_pretrained_weights_from_a_folder(tmp_path, tiny_bert):
+    tiny_bert.save_pretrained(tmp_path)
+    model = build_model(ModelSpec(type="bert", pretrained=str(tmp_path)), DataSpec())
+    assert model.config.hidden_size == 64
+    weight = model.bert.embeddings.word_embeddings.weight
+    assert torch.equal(weight, tiny_bert.bert.embeddings.word_embeddings.weight)
+
+
+def test_fsdp_block_classes_leave_out_the_embedding_holder(tiny_bert, tiny_gpt2):
+    assert set(tiny_bert._no_split_modules) == {"BertEmbeddings", "BertLayer"}
+    assert fsdp_block_classes(tiny_bert) == ["BertLayer"]
+    assert fsdp_block_classes(tiny_gpt2) == ["GPT2Block"]
+
+
+def test_training_args_precedence_recipe_then_strategy_then_runner(caplog):
+    spec = tiny_spec(
+        training_args={
+            "learning_rate": 1e-4,
+            "per_device_train_batch_size": 99,
+            "logging_steps": 10,
+            "report_to": "tensorboard",
+            "output_dir": "/somewhere",
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="hfscale.trial"):
+        merged = merge_training_args(spec, {"per_device_train_batch_size": 4, "bf16": False})
+    assert merged["learning_rate"] == 1e-4  # the recipe's own
+    assert merged["per_device_train_batch_size"] == 4  # the strategy wins over the recipe
+    assert merged["logging_steps"] == 1  # the runner wins over both, and says so
+    assert "training_args.logging_steps=10 is overridden" in caplog.text
+    assert merged["report_to"] == "tensorboard"  # asked for, so kept
+    assert merged["average_tokens_across_devices"] is False
+    assert merged["save_strategy"] == "no"
+    assert merged["max_steps"] == 3
+    assert merged["seed"] == DEFAULT_SEED
+    assert "output_dir" not in merged
+
+
+def test_training_args_epochs_and_seed():
+    spec = tiny_spec(measure=MeasureSpec(max_steps=None, num_epochs=2.0), training_args={"seed": 7})
+    merged = merge_training_args(spec, {})
+    assert merged["num_train_epochs"] == 2.0
+    assert merged["max_steps"] == -1
+    assert merged["seed"] == 7
+    assert merged["report_to"] == "none"
+
+
+def test_outcome_round_trips_and_rejects_unknown_status(tmp_path):
+    outcome = TrialOutcome(trial="t", status="not_applied", reason="r", mismatches=["r"], loss_curve=[1.0, 0.5])
+    outcome.write(tmp_path / "result.json")
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert data["schema_version"] == RESULT_SCHEMA_VERSION
+    assert TrialOutcome.from_dict(data | {"added_later": 1}) == outcome
+    with pytest.raises(ValueError, match=r"TrialOutcome.status: expected 'ok' or 'not_applied', got 'oom'"):
+        TrialOutcome(trial="t", status="oom")
+
+
+# -- one whole trial in this process -------------------------------------------------------------------------------
+
+
+def test_main_trains_verifies_and_writes_the_result(tmp_path):
+    spec = tiny_spec()
+    write_configs(spec.strategy, tmp_path)  # training_args.json next to the spec, as the sweep lays it out
+    spec.write(tmp_path / "spec.json")
+    assert main([str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]) == 0
+
+    outcome = TrialOutcome.read(tmp_path / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    assert outcome.trial == "fp32"
+    assert len(outcome.loss_curve) == 3  # one loss per optimizer step
+    assert all(math.isfinite(x) and x > 0 for x in outcome.loss_curve)
+    assert outcome.final_loss == outcome.loss_curve[-1]
+    assert outcome.train_runtime_s > 0 and outcome.train_samples_per_second > 0
+    assert outcome.memory["peak_gib"] > 0
+    assert outcome.throughput["measured_steps"] == 2  # 3 steps, 1 of warm-up
+    verification = outcome.verification
+    assert verification["distributed_type"] == "NO" and verification["wrapper"] == "none"
+    assert verification["linear_output_dtype"] == "float32"
+    assert outcome.world_size == 1
+    assert outcome.training_args["per_device_train_batch_size"] == 4
+    for phase in ("startup", "imports", "model_build", "trainer_init", "train_setup", "train_loop", "total"):
+        assert outcome.timings_s[phase] >= 0, phase
+    assert outcome.timings_s["total"] >= outcome.timings_s["train_call"]
+
+
+def test_a_strategy_that_did_not_take_effect_is_not_applied(tmp_path):
+    """A stale training_args.json (fp32) under a bf16 strategy: the run trains in fp32 and must say so."""
+    spec = tiny_spec(Strategy(name="bf16", device="cpu", precision="bf16", per_device_batch_size=4))
+    write_configs(CPU, tmp_path)
+    spec.write(tmp_path / "spec.json")
+    assert main([str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]) == 0
+
+    outcome = TrialOutcome.read(tmp_path / "result.json")
+    assert outcome.status == "not_applied"
+    assert outcome.verification["linear_output_dtype"] == "float32"
+    assert any("produced float32, expected bfloat16" in m for m in outcome.mismatches)
+    assert "expected bfloat16" in outcome.reason
+    assert outcome.loss_curve  # the figures are kept, under a status that says they are not bf16's
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-such-option"])
+    assert exc.value.code == 2
+    assert "usage: python -m hfscale.trial" in capsys.readouterr().err
