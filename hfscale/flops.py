@@ -1,0 +1,217 @@
+"""Model FLOPs per token, device peak FLOP/s, and model FLOPs utilisation (MFU).
+
+FLOPs per trained token, for a decoder or encoder transformer (PaLM, Chowdhery et al. 2022, appendix B; the same
+count as the Chinchilla paper's appendix F without the embedding terms, and torchtitan's ``get_num_flop_per_token``)::
+
+    flops_per_token = 6 * N + 12 * L * H * T
+
+- ``N``: parameters excluding embeddings (token, position and token-type ``nn.Embedding`` tables; an output head
+  tied to the token embedding is excluded with it, an untied head is counted). Each parameter does one
+  multiply-add per token in the forward pass (2 FLOPs) and two in the backward pass (gradient with respect to the
+  input and to the weight: 4 FLOPs), hence 6.
+- ``12 * L * H * T``: attention scores and the weighted sum of values, which have no parameters: per layer ``L``
+  and token, ``2 * 2 * H * T`` FLOPs forward (``QK^T`` and ``AV`` over a context of ``T`` tokens, ``H`` the hidden
+  size = heads x head dimension), times 3 for forward + backward. Causal masking is not subtracted (as in PaLM).
+
+This is *model* FLOPs, the useful work: activation recomputation (gradient checkpointing runs the forward pass a
+second time, 8N instead of 6N) is deliberately not counted, so checkpointing shows up as a lower MFU, which is
+what it costs. Peaks are dense (no 2:4 sparsity) tensor-core figures from NVIDIA's datasheets.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+ComputeDtype = Literal["fp32", "tf32", "fp16", "bf16"]
+
+_H_SXM = {"fp32": 66.9e12, "tf32": 494.7e12, "fp16": 989.5e12, "bf16": 989.5e12}
+
+DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    # Hopper: H100 / H200 datasheets (tensor-core figures are quoted with sparsity; halved here).
+    "H100 SXM": _H_SXM,
+    "H100 PCIe": {"fp32": 51e12, "tf32": 378e12, "fp16": 756e12, "bf16": 756e12},
+    "H100 NVL": {"fp32": 60e12, "tf32": 417.5e12, "fp16": 835e12, "bf16": 835e12},
+    "H200": _H_SXM,
+    "H200 NVL": {"fp32": 60e12, "tf32": 417.5e12, "fp16": 835e12, "bf16": 835e12},
+    "GH200": _H_SXM,
+    # Ampere: A100 datasheet (SXM and PCIe share the tensor figures), A10 and A10G (the AWS variant, lower
+    # tensor throughput), A30, A40.
+    "A100": {"fp32": 19.5e12, "tf32": 156e12, "fp16": 312e12, "bf16": 312e12},
+    "A10G": {"tf32": 35e12, "fp16": 70e12, "bf16": 70e12},
+    "A10": {"fp32": 31.2e12, "tf32": 62.5e12, "fp16": 125e12, "bf16": 125e12},
+    "A30": {"fp32": 10.3e12, "tf32": 82e12, "fp16": 165e12, "bf16": 165e12},
+    "A40": {"fp32": 37.4e12, "tf32": 74.8e12, "fp16": 149.7e12, "bf16": 149.7e12},
+    # Ada: L4, L40S.
+    "L4": {"fp32": 30.3e12, "tf32": 60e12, "fp16": 121e12, "bf16": 121e12},
+    "L40S": {"fp32": 91.6e12, "tf32": 183e12, "fp16": 362e12, "bf16": 362e12},
+    # Volta and Turing have no bf16 (and no tf32).
+    "V100 SXM": {"fp32": 15.7e12, "fp16": 125e12},
+    "V100 PCIe": {"fp32": 14e12, "fp16": 112e12},
+    "T4": {"fp32": 8.1e12, "fp16": 65e12},
+}
+"""Dense peak FLOP/s per device and compute dtype. Override with ``ThroughputCallback(peak_flops=...)``."""
+
+# Checked in order: the first pattern found in the lower-cased CUDA device name wins, so the more specific
+# names come first (gh200 / h200 nvl before h200, h100 nvl / pcie before h100, a10g before a10, l40s before l4).
+_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"gh200", "GH200"),
+    (r"h200.*nvl", "H200 NVL"),
+    (r"h200", "H200"),
+    (r"h100.*nvl", "H100 NVL"),
+    (r"h100.*(pcie|hbm2e)", "H100 PCIe"),
+    (r"h100", "H100 SXM"),
+    (r"a100", "A100"),
+    (r"\ba10g\b", "A10G"),
+    (r"\ba10\b", "A10"),
+    (r"\ba30\b", "A30"),
+    (r"\ba40\b", "A40"),
+    (r"\bl40s\b", "L40S"),
+    (r"\bl4\b", "L4"),
+    (r"v100.*pcie", "V100 PCIe"),
+    (r"v100", "V100 SXM"),
+    (r"\bt4\b", "T4"),
+)
+
+
+def canonical_device(device_name: str) -> str | None:
+    """The :data:`DEVICE_PEAK_FLOPS` key for a CUDA device name (``torch.cuda.get_device_name()``), or None.
+
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"H100 SXM"``, ``"NVIDIA H100 PCIe"`` -> ``"H100 PCIe"``,
+    ``"Tesla V100-SXM2-16GB"`` -> ``"V100 SXM"``, ``"NVIDIA A10G"`` -> ``"A10G"``.
+    """
+    name = device_name.lower()
+    for pattern, key in _NAME_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def peak_flops_per_s(device_name: str, dtype: ComputeDtype) -> float | None:
+    """Dense peak FLOP/s of one device for a compute dtype, or None when the device or dtype is not in the table."""
+    key = canonical_device(device_name)
+    if key is None:
+        return None
+    return DEVICE_PEAK_FLOPS[key].get(dtype)
+
+
+def compute_dtype(args: Any) -> ComputeDtype:
+    """The dtype matrix multiplications run in for ``TrainingArguments`` ``args``: bf16, fp16, tf32 or fp32.
+
+    fp32 counts as tf32 when torch is allowed to use TF32 for matmuls (``args.tf32`` or
+    ``torch.backends.cuda.matmul.allow_tf32``/``torch.get_float32_matmul_precision() != "highest"``).
+    """
+    if getattr(args, "bf16", False):
+        return "bf16"
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "tf32", None):
+        return "tf32"
+    try:
+        import torch
+
+        if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
+            return "tf32"
+    except Exception:  # a torch build without the CUDA backend module
+        pass
+    return "fp32"
+
+
+def _numel(param: Any) -> int:
+    # DeepSpeed ZeRO-3 leaves an empty placeholder in each partitioned parameter; the full size is ds_numel.
+    return int(getattr(param, "ds_numel", 0) or param.numel())
+
+
+def count_parameters(model: Any, *, exclude_embeddings: bool = True) -> int:
+    """Parameters of ``model`` (each shared tensor once), without ``nn.Embedding`` tables when asked.
+
+    An output projection tied to the token embedding is the same tensor, so it is excluded with it.
+    """
+    import torch
+
+    embedding_ids: set[int] = set()
+    if exclude_embeddings:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                embedding_ids.update(id(p) for p in module.parameters(recurse=False))
+    return sum(_numel(p) for p in model.parameters() if id(p) not in embedding_ids)
+
+
+def transformer_flops_per_token(
+    *, non_embedding_params: int, num_layers: int, hidden_size: int, seq_len: float
+) -> float:
+    """``6 * N + 12 * L * H * T``: model FLOPs to train on one token (see the module docstring).
+
+    Raises:
+        ValueError: for a negative or zero size.
+    """
+    for name, value in (
+        ("non_embedding_params", non_embedding_params),
+        ("num_layers", num_layers),
+        ("hidden_size", hidden_size),
+        ("seq_len", seq_len),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    return 6.0 * non_embedding_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def model_shape(model: Any) -> tuple[int, int, int]:
+    """(non-embedding parameters N, layers L, hidden size H) of a transformers model, for the FLOPs formula.
+
+    Raises:
+        ValueError: when the config has no layer count or hidden size (pass ``flops_per_token`` yourself then).
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        raise ValueError(
+            f"model.config: expected num_hidden_layers and hidden_size to count FLOPs, got "
+            f"num_hidden_layers={layers!r}, hidden_size={hidden!r}; pass flops_per_token explicitly"
+        )
+    return count_parameters(model), layers, hidden
+
+
+def model_flops_per_token(model: Any, seq_len: float) -> float:
+    """:func:`transformer_flops_per_token` for a transformers model, with N, L and H from :func:`model_shape`.
+
+    Raises:
+        ValueError: when the config has no layer count or hidden size.
+    """
+    params, layers, hidden = model_shape(model)
+    return transformer_flops_per_token(
+        non_embedding_params=params, num_layers=layers, hidden_size=hidden, seq_len=seq_len
+    )
+
+
+def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float, num_devices: int) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all ``num_devices`` devices together.
+
+    Raises:
+        ValueError: for a peak or device count that is not positive.
+    """
+    if peak_flops_per_s <= 0:
+        raise ValueError(f"peak_flops_per_s: expected a positive number, got {peak_flops_per_s!r}")
+    if num_devices < 1:
+        raise ValueError(f"num_devices: expected a positive integer, got {num_devices!r}")
+    return tokens_per_s * flops_per_token / (peak_flops_per_s * num_devices)
+
+
+__all__ = [
+    "DEVICE_PEAK_FLOPS",
+    "ComputeDtype",
+    "canonical_device",
+    "compute_dtype",
+    "count_parameters",
+    "mfu",
+    "model_flops_per_token",
+    "model_shape",
+    "peak_flops_per_s",
+    "transformer_flops_per_token",
+]

@@ -1,0 +1,504 @@
+"""MemoryCallback and ThroughputCallback on real (tiny) Trainer runs: CPU here, CUDA where marked ``gpu``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import TINY_BERT
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+
+from hfscale.callbacks import MEMORY_PHASES, MemoryCallback, MemorySummary, ThroughputCallback, ThroughputSummary
+from hfscale.data import make_causal_lm_dataset, make_classification_dataset
+from hfscale.flops import model_flops_per_token
+from hfscale.memory import GIB, cpu_peak_rss_bytes
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+MEMORY_KEYS = {
+    "device",
+    "world_size",
+    "peak_gib",
+    "peak_reserved_gib",
+    "phases_gib",
+    "phase_peaks_gib",
+    "alloc_retries",
+    "ooms",
+    "nvml_process_used_gib",
+    "nvml_device_used_gib",
+    "per_rank",
+}
+RANK_KEYS = (MEMORY_KEYS - {"per_rank", "world_size"}) | {"rank"}
+THROUGHPUT_KEYS = {
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "step_time_mean_s",
+    "measured_steps",
+    "warmup_steps",
+    "samples_per_step",
+    "tokens_per_sample",
+    "world_size",
+    "flops_per_token",
+    "mfu",
+    "peak_flops_per_s",
+    "device_name",
+}
+
+
+def _args(output_dir: Path, **overrides) -> TrainingArguments:
+    base = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=8,
+        logging_steps=4,
+        learning_rate=1e-4,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    base.update(overrides)
+    return TrainingArguments(**base)
+
+
+def _tiny_bert() -> BertForSequenceClassification:
+    return BertForSequenceClassification(BertConfig(**TINY_BERT))
+
+
+class LogRecorder(TrainerCallback):
+    """Stands in for a report_to integration: it sees on_log before the user's callbacks, as they do."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+class SlowFirstSteps(TrainerCallback):
+    """Makes the first ``steps`` optimizer steps ``seconds`` slower: a warm-up that must be left out."""
+
+    def __init__(self, steps: int, seconds: float) -> None:
+        self.steps, self.seconds = steps, seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step < self.steps:
+            time.sleep(self.seconds)
+
+
+class StepClock(TrainerCallback):
+    """An independent clock at each optimizer step's end."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One CPU run shared by several tests: 8 steps, both callbacks, a slow 2-step warm-up, an independent clock.
+# --------------------------------------------------------------------------------------------------------------
+
+SLOW_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpu_run")
+    recorder, clock = LogRecorder(), StepClock()
+    memory = MemoryCallback(output_path=out / "memory.json")
+    tp_warm2 = ThroughputCallback(2, output_path=out / "throughput.json")
+    tp_warm0 = ThroughputCallback(0)
+    model = _tiny_bert()
+    trainer = Trainer(
+        model=model,
+        args=_args(out / "trainer"),
+        train_dataset=make_classification_dataset(64, 64),
+        callbacks=[recorder, SlowFirstSteps(2, SLOW_S), memory, tp_warm2, tp_warm0, clock],
+    )
+    result = trainer.train()
+    return SimpleNamespace(
+        out=out,
+        trainer=trainer,
+        result=result,
+        model=model,
+        recorder=recorder,
+        clock=clock,
+        memory=memory,
+        tp2=tp_warm2,
+        tp0=tp_warm0,
+        hwm_after_gib=cpu_peak_rss_bytes() / GIB,
+    )
+
+
+def _entries_with(history: list[dict], prefix: str) -> list[dict]:
+    return [e for e in history if any(k.startswith(prefix) for k in e)]
+
+
+def test_keys_reach_log_history_and_report_to_callbacks(cpu_run):
+    history = cpu_run.trainer.state.log_history
+    (mem_entry,) = _entries_with(history, "memory/")
+    tp_entries = _entries_with(history, "throughput/")  # one per ThroughputCallback (warm-up 2 and 0)
+    assert len(tp_entries) == 2
+    (tp_entry,) = [e for e in tp_entries if e["throughput/measured_steps"] == 6]
+    assert mem_entry["step"] == tp_entry["step"] == 8
+    for phase in MEMORY_PHASES:
+        assert mem_entry[f"memory/{phase}_gib"] == cpu_run.memory.summary.phases_gib[phase]
+    assert mem_entry["memory/peak_gib"] == cpu_run.memory.summary.peak_gib
+    assert tp_entry["throughput/samples_per_s"] == cpu_run.tp2.summary.samples_per_s
+    assert tp_entry["throughput/step_time_median_s"] == cpu_run.tp2.summary.step_time_median_s
+    # CPU has no reserved pool, counters or NVML: those keys are left out rather than logged as None.
+    assert "memory/peak_reserved_gib" not in mem_entry and "memory/ooms" not in mem_entry
+    # The integrations (which run before user callbacks) saw the same keys.
+    seen = {k for logs in cpu_run.recorder.logs for k in logs}
+    assert {"memory/peak_gib", "memory/forward_gib", "throughput/samples_per_s", "throughput/mfu"} - seen == {
+        "throughput/mfu"
+    }
+    # Our log event did not swallow the Trainer's own loss log for the last step.
+    assert [e for e in history if "loss" in e and e["step"] == 8]
+    assert [e for e in history if "loss" in e and e["step"] == 4]
+
+
+def test_summaries_follow_the_contract(cpu_run):
+    mem = cpu_run.memory.summary.to_dict()
+    tp = cpu_run.tp2.summary.to_dict()
+    assert set(mem) >= MEMORY_KEYS
+    assert set(mem["phases_gib"]) == set(mem["phase_peaks_gib"]) == set(MEMORY_PHASES)
+    assert len(mem["per_rank"]) == 1 and set(mem["per_rank"][0]) >= RANK_KEYS and mem["per_rank"][0]["rank"] == 0
+    assert set(tp) >= THROUGHPUT_KEYS
+    assert mem["device"] == "cpu" and mem["world_size"] == 1 and tp["world_size"] == 1
+    # Written as JSON by the main process, and read back to the same summary.
+    assert json.loads((cpu_run.out / "memory.json").read_text()) == json.loads(json.dumps(mem))
+    assert json.loads((cpu_run.out / "throughput.json").read_text()) == json.loads(json.dumps(tp))
+    assert MemorySummary.from_dict(mem) == cpu_run.memory.summary
+    assert ThroughputSummary.from_dict(tp) == cpu_run.tp2.summary
+
+
+def test_cpu_memory_figures(cpu_run):
+    s = cpu_run.memory.summary
+    assert s.peak_gib is not None and s.peak_gib > 0
+    phases = s.phases_gib
+    assert all(phases[p] is not None and phases[p] > 0 for p in MEMORY_PHASES)
+    # Adam's two states per parameter (~35 MB here) are allocated in the first optimizer step.
+    assert phases["optimizer_step"] > phases["model_load"]
+    assert s.peak_gib >= max(phases.values()) - 1 / 1024
+    # The process high-water mark after training bounds the training peak (no reset after the first step).
+    assert s.peak_gib <= cpu_run.hwm_after_gib + 1 / 1024
+    assert s.peak_reserved_gib is None and s.alloc_retries is None and s.ooms is None
+    assert s.nvml_device_used_gib is None
+
+
+def test_throughput_is_consistent_with_step_times(cpu_run):
+    s = cpu_run.tp2.summary
+    assert s.timer == "perf_counter" and s.total_steps == 8 and s.measured_steps == 6
+    assert s.samples_per_step == s.samples_per_step_configured == 4
+    assert s.measured_samples == 6 * 4
+    assert s.tokens_per_sample == 64  # read from the batches
+    assert s.samples_per_s == pytest.approx(s.measured_samples / s.measured_time_s)
+    assert s.samples_per_s == pytest.approx(s.samples_per_step / s.step_time_mean_s)
+    assert s.tokens_per_s == pytest.approx(s.samples_per_s * 64)
+    assert s.step_time_min_s <= s.step_time_median_s <= s.step_time_p90_s <= s.step_time_max_s
+    # An independent clock at the same boundaries gives the same step times.
+    ends = cpu_run.clock.ends
+    independent = [b - a for a, b in itertools.pairwise(ends[1:])]  # steps 3..8
+    assert len(independent) == 6
+    assert s.step_time_mean_s == pytest.approx(statistics.fmean(independent), rel=0.05, abs=0.005)
+    assert s.step_time_median_s == pytest.approx(statistics.median(independent), rel=0.05, abs=0.005)
+    # The Trainer's own figure includes the slow warm-up, so it is lower than the steady state.
+    assert cpu_run.result.metrics["train_samples_per_second"] < s.samples_per_s
+    assert s.flops_per_token == pytest.approx(model_flops_per_token(cpu_run.model, 64))
+    assert s.mfu is None and s.peak_flops_per_s is None  # CPU: no known peak
+    assert s.device_name
+
+
+def test_warmup_steps_are_excluded(cpu_run):
+    with_warmup, without = cpu_run.tp2.summary, cpu_run.tp0.summary
+    assert without.measured_steps == 8 and with_warmup.measured_steps == 6
+    assert without.step_time_max_s >= SLOW_S  # the slowed steps are in
+    assert with_warmup.step_time_max_s < SLOW_S  # and left out
+    assert without.step_time_mean_s > with_warmup.step_time_mean_s + 0.5 * 2 * SLOW_S / 8
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory grows with the batch; the peak is the training run's, not the process's lifetime peak.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _train_memory(tmp_path: Path, batch: int, seq_len: int = 512) -> MemorySummary:
+    memory = MemoryCallback()
+    Trainer(
+        model=_tiny_bert(),
+        args=_args(tmp_path / f"b{batch}", per_device_train_batch_size=batch, max_steps=2),
+        train_dataset=make_classification_dataset(2 * batch, seq_len),
+        callbacks=[memory],
+    ).train()
+    return memory.summary
+
+
+def test_peak_grows_with_batch_and_is_not_a_lifetime_peak(tmp_path):
+    # A 768 MiB spike before training: it must show in the model_load phase's peak, not in the training peak.
+    spike = np.ones(768 * 1024**2 // 8)
+    del spike
+    spike_hwm_gib = cpu_peak_rss_bytes() / GIB
+    small = _train_memory(tmp_path, 2)
+    assert small.phase_peaks_gib["model_load"] >= spike_hwm_gib - 1 / 1024
+    assert small.peak_gib < spike_hwm_gib - 0.25
+    large = _train_memory(tmp_path, 16)
+    # Attention scores alone are 16 x 2 heads x 512 x 512 x 4 B = 32 MiB per copy, several per layer.
+    assert large.peak_gib > small.peak_gib + 0.1
+    assert large.phases_gib["forward"] > small.phases_gib["forward"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gradient accumulation, a last partial batch, causal LM tokens and MFU with a given peak
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_and_partial_last_batch(tmp_path, tiny_gpt2):
+    num_samples, batch, accumulation = 42, 4, 2  # 11 batches (the last holds 2) -> 6 optimizer steps
+    memory, throughput = MemoryCallback(), ThroughputCallback(1, peak_flops=1e12)
+    trainer = Trainer(
+        model=tiny_gpt2,
+        args=_args(
+            tmp_path,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            max_steps=-1,
+            num_train_epochs=1,
+        ),
+        train_dataset=make_causal_lm_dataset(num_samples, 32),
+        callbacks=[memory, throughput],
+    )
+    trainer.train()
+    s = throughput.summary
+    assert s.total_steps == trainer.state.global_step == 6
+    assert s.samples_per_step == s.samples_per_step_configured == batch * accumulation
+    # Every sample but the warm-up step's: the last step's partial batch counts what it held.
+    assert s.measured_samples == num_samples - batch * accumulation
+    assert s.tokens_per_sample == 32
+    assert s.flops_per_token == pytest.approx(model_flops_per_token(tiny_gpt2, 32))
+    assert s.mfu == pytest.approx(s.tokens_per_s * s.flops_per_token / 1e12)
+    m = memory.summary
+    assert all(m.phases_gib[p] is not None for p in MEMORY_PHASES)
+    assert any("gradient accumulation" in note for note in m.notes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Too few steps, bad options, no Trainer
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_too_few_steps_warns_and_gives_none(tmp_path, tiny_bert, caplog):
+    throughput = ThroughputCallback(2)
+    memory = MemoryCallback()
+    trainer = Trainer(
+        model=tiny_bert,
+        args=_args(tmp_path, per_device_train_batch_size=2, max_steps=3),
+        train_dataset=make_classification_dataset(8, 16),
+        callbacks=[memory, throughput],
+    )
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        trainer.train()
+    assert "fewer than warmup_steps + 2" in caplog.text
+    s = throughput.summary
+    assert s.measured_steps == 1
+    assert s.samples_per_s is None and s.step_time_median_s is None and s.mfu is None
+    (entry,) = _entries_with(trainer.state.log_history, "throughput/")
+    assert "throughput/samples_per_s" not in entry and entry["throughput/measured_steps"] == 1
+    assert memory.summary.peak_gib > 0  # memory is still measured
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"peak_flops": 0.0}, "peak_flops"),
+        ({"flops_per_token": -5.0}, "flops_per_token"),
+    ],
+)
+def test_throughput_options_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ThroughputCallback(**kwargs)
+
+
+def test_without_a_trainer_the_summary_is_still_made(tmp_path, caplog):
+    args = _args(tmp_path, per_device_train_batch_size=3)
+    state, control = TrainerState(max_steps=4), TrainerControl()
+    callback = ThroughputCallback(1, flops_per_token=100.0, peak_flops=1e9)
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        callback.on_train_begin(args, state, control, model=None)
+        for step in range(1, 5):
+            time.sleep(0.01)
+            state.global_step = step
+            callback.on_step_end(args, state, control)
+    s = callback.summary
+    assert s.total_steps == 4 and s.measured_steps == 3
+    assert s.samples_per_step == 3  # nothing counted (no model): the configured figure, with a warning
+    assert "counted no samples" in caplog.text and "no transformers.Trainer" in caplog.text
+    assert s.step_time_min_s >= 0.009
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Two processes: DDP on CPU under a real `accelerate launch`
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_report_max_memory_and_global_throughput(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(SCRIPTS / "train_with_callbacks.py"),
+        "--out",
+        str(out),
+        "--batch",
+        "4",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # Two real ranks of one DDP group ran (not two independent processes).
+    for r, record in enumerate(ranks):
+        assert record["rank"] == r
+        assert record["dist_world_size"] == record["args_world_size"] == 2
+        assert record["wrapper"] == "DistributedDataParallel"
+    mem = json.loads((out / "memory.json").read_text())
+    assert mem["world_size"] == 2 and [row["rank"] for row in mem["per_rank"]] == [0, 1]
+    assert mem["peak_gib"] == max(row["peak_gib"] for row in mem["per_rank"])
+    for row, record in zip(mem["per_rank"], ranks, strict=True):
+        # Each rank's training peak is its own: positive, and within that process's high-water mark.
+        assert 0 < row["peak_gib"] <= record["vmhwm_after_gib"] + 1 / 1024
+    for phase in MEMORY_PHASES:
+        assert mem["phases_gib"][phase] == max(row["phases_gib"][phase] for row in mem["per_rank"])
+    tp = json.loads((out / "throughput.json").read_text())
+    assert tp["world_size"] == 2
+    assert tp["samples_per_step"] == tp["samples_per_step_configured"] == 2 * 4  # counted on both ranks
+    assert tp["measured_steps"] == 4 and tp["measured_samples"] == 4 * 2 * 4
+    assert tp["samples_per_s"] == pytest.approx(tp["samples_per_step"] / tp["step_time_mean_s"])
+    # Every rank ends with the same gathered summaries; the log carries each rank's peak.
+    assert ranks[1]["memory"] == ranks[0]["memory"] == mem
+    assert ranks[1]["throughput"] == tp
+    (entry,) = _entries_with(ranks[0]["log_history"], "memory/")
+    assert entry["memory/rank_1/peak_gib"] == mem["per_rank"][1]["peak_gib"]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_zero2_with_accumulation(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds"
+    cmd = [sys.executable, str(SCRIPTS / "train_with_callbacks.py"), "--out", str(out), "--deepspeed", "2"]
+    cmd += ["--accumulation", "2", "--batch", "4", "--steps", "5", "--warmup", "2"]
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads((out / "rank0.json").read_text())
+    assert record["wrapper"] == "DeepSpeedEngine"  # DeepSpeed really ran
+    mem, tp = record["memory"], record["throughput"]
+    # Every first-step phase is found although DeepSpeed steps the optimizer inside backward, and the summary says so.
+    assert all(mem["phases_gib"][p] is not None for p in MEMORY_PHASES)
+    assert any(note.startswith("DeepSpeed") for note in mem["notes"])
+    assert tp["samples_per_step"] == tp["samples_per_step_configured"] == 4 * 2
+    assert tp["measured_steps"] == 3 and tp["measured_samples"] == 3 * 8
+    keys = {k for entry in record["log_history"] for k in entry}
+    assert {"memory/peak_gib", "throughput/samples_per_s", "loss"} <= keys
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a device)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_allocator_phases_events_and_nvml(tmp_path, monkeypatch):
+    import torch
+
+    callers: list[str] = []
+    real_sync = torch.cuda.synchronize
+
+    def counting_sync(*args, **kwargs):
+        callers.append(sys._getframe(1).f_globals.get("__name__", ""))
+        return real_sync(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counting_sync)
+    memory, throughput = MemoryCallback(), ThroughputCallback(2)
+    trainer = Trainer(
+        model=_tiny_bert(),
+        args=_args(tmp_path, use_cpu=False, per_device_train_batch_size=16, max_steps=8),
+        train_dataset=make_classification_dataset(128, 256),
+        callbacks=[memory, throughput],
+    )
+    trainer.train()
+    assert not [c for c in callers if c.startswith("hfscale")], "the callbacks must not synchronise the device"
+    m = memory.summary
+    assert m.device == "cuda"
+    p = m.phases_gib
+    assert p["forward"] > p["model_load"]  # + activations
+    assert p["optimizer_step"] > p["backward"]  # + Adam's two states
+    assert m.peak_gib >= max(p.values())
+    assert m.peak_reserved_gib >= m.peak_gib
+    assert m.alloc_retries == 0 and m.ooms == 0
+    if m.nvml_device_used_gib is not None:
+        assert m.nvml_device_used_gib >= 0.9 * m.peak_reserved_gib
+    s = throughput.summary
+    assert s.timer == "cuda_events" and s.measured_steps == 6
+    assert s.step_time_median_s > 0 and s.samples_per_step == 16
+    assert s.device_name == torch.cuda.get_device_name()
+    if s.peak_flops_per_s is not None:
+        assert 0 < s.mfu < 1

@@ -1,0 +1,152 @@
+"""hfscale.flops: the FLOPs-per-token formula against torch's FLOP counter, the peak table, MFU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hfscale.flops import (
+    DEVICE_PEAK_FLOPS,
+    canonical_device,
+    compute_dtype,
+    count_parameters,
+    mfu,
+    model_flops_per_token,
+    peak_flops_per_s,
+    transformer_flops_per_token,
+)
+
+
+def _small_vocab_gpt2(*, tied: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # A small vocabulary keeps the output head from dominating; eager attention is plain matmuls the counter sees.
+    config = GPT2Config(
+        vocab_size=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _counted_flops_per_token(model, batch: int, seq_len: int) -> float:
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)
+
+
+def test_formula_matches_torch_flop_counter():
+    model = _small_vocab_gpt2(tied=False)
+    counted = _counted_flops_per_token(model, batch=2, seq_len=64)
+    formula = model_flops_per_token(model, 64)
+    # The counter sees matmuls only; biases and LayerNorm weights (in N, ~1.5% here) do no matmul work.
+    assert formula == pytest.approx(counted, rel=0.03)
+
+
+def test_recomputation_is_not_counted_as_useful_work():
+    plain = _small_vocab_gpt2(tied=False)
+    checkpointed = _small_vocab_gpt2(tied=False)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    counted_plain = _counted_flops_per_token(plain, batch=2, seq_len=64)
+    counted_ckpt = _counted_flops_per_token(checkpointed, batch=2, seq_len=64)
+    # Checkpointing really does more arithmetic (the layers' forward runs twice) ...
+    assert counted_ckpt > 1.15 * counted_plain
+    # ... but the model FLOPs stay those of one forward and one backward.
+    assert model_flops_per_token(checkpointed, 64) == model_flops_per_token(plain, 64)
+
+
+def test_embeddings_and_tied_head_are_excluded():
+    tied = _small_vocab_gpt2(tied=True)
+    untied = _small_vocab_gpt2(tied=False)
+    embeddings = ("transformer.wte", "transformer.wpe")
+    embedding_free = sum(p.numel() for n, p in tied.named_parameters() if not n.startswith(embeddings))
+    assert count_parameters(tied) == embedding_free
+    assert count_parameters(untied) == embedding_free + untied.lm_head.weight.numel()
+    assert count_parameters(tied, exclude_embeddings=False) == sum(p.numel() for p in tied.parameters())
+
+
+def test_zero3_partitioned_parameters_count_their_full_size():
+    layer = torch.nn.Linear(8, 8, bias=False)
+    layer.weight.data = torch.empty(0)  # what ZeRO-3 leaves on a rank
+    layer.weight.ds_numel = 64
+    assert count_parameters(layer) == 64
+
+
+def test_formula_terms():
+    assert transformer_flops_per_token(non_embedding_params=1000, num_layers=2, hidden_size=8, seq_len=16) == (
+        6 * 1000 + 12 * 2 * 8 * 16
+    )
+    with pytest.raises(ValueError, match="seq_len"):
+        transformer_flops_per_token(non_embedding_params=1000, num_layers=2, hidden_size=8, seq_len=0)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        model_flops_per_token(torch.nn.Linear(2, 2), 16)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("Tesla V100-SXM2-16GB", "V100 SXM"),
+        ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+        ("Tesla T4", "T4"),
+        ("AMD EPYC 7B13", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_device_names_map_to_the_right_entry(name, key):
+    assert canonical_device(name) == key
+
+
+def test_peak_lookup_by_dtype():
+    assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
+    assert peak_flops_per_s("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops_per_s("NVIDIA A100-SXM4-40GB", "fp16") == 312e12
+    assert peak_flops_per_s("Tesla V100-SXM2-16GB", "fp16") == 125e12
+    assert peak_flops_per_s("Tesla V100-SXM2-16GB", "bf16") is None  # Volta has no bf16
+    assert peak_flops_per_s("AMD EPYC 7B13", "fp32") is None
+    for key, peaks in DEVICE_PEAK_FLOPS.items():
+        # Dense peaks: 16-bit at least the fp32 figure, and nothing above 1 PFLOP/s on these parts.
+        assert all(0 < v < 1.0e15 for v in peaks.values()), key
+        if "fp16" in peaks and "fp32" in peaks:
+            assert peaks["fp16"] > peaks["fp32"], key
+
+
+def test_compute_dtype_from_arguments():
+    assert compute_dtype(SimpleNamespace(bf16=True, fp16=False, tf32=None)) == "bf16"
+    assert compute_dtype(SimpleNamespace(bf16=False, fp16=True, tf32=None)) == "fp16"
+    assert compute_dtype(SimpleNamespace(bf16=False, fp16=False, tf32=True)) == "tf32"
+    expected = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if torch.backends.cuda.matmul.allow_tf32:
+        expected = "tf32"
+    assert compute_dtype(SimpleNamespace(bf16=False, fp16=False, tf32=None)) == expected
+
+
+def test_mfu():
+    # 1e5 tokens/s x 6e9 FLOPs/token = 6e14 FLOP/s over two 1e15 devices.
+    assert mfu(tokens_per_s=1e5, flops_per_token=6e9, peak_flops_per_s=1e15, num_devices=2) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="peak_flops_per_s"):
+        mfu(tokens_per_s=1.0, flops_per_token=1.0, peak_flops_per_s=0.0, num_devices=1)
+    with pytest.raises(ValueError, match="num_devices"):
+        mfu(tokens_per_s=1.0, flops_per_token=1.0, peak_flops_per_s=1.0, num_devices=0)
