@@ -18,8 +18,9 @@ Format (every section but ``trials``/``matrix`` is optional)::
     run: {memory_limit_gib: 8, env: {OMP_NUM_THREADS: "1"}}     # how each trial's processes are started
     baseline: fp32                   # the trial others are compared with (default: the first)
     defaults: {per_device_batch_size: 8}                      # Strategy fields applied to every trial
-    trials:                          # Strategy fields, plus optional per-trial `measure:` / `run:` overrides
-      - name: fp32
+    trials:                          # Strategy fields, plus optional per-trial `measure:` / `run:` /
+      - name: fp32                   # `training_args:` overrides (merged over the recipe's, key by key)
+      - {name: lr-too-high, training_args: {learning_rate: 10}}
       - {name: zero2-x2, deepspeed: {zero_stage: 2}, num_processes: 2}
     matrix:                          # the product of the axes, each trial named from its values (zero2-bf16)
       deepspeed.zero_stage: [1, 2]
@@ -379,7 +380,7 @@ def _build(cls: type, data: Any, path: str, **extra: Any) -> Any:
 _STRATEGY_FIELDS = [f.name for f in dataclasses.fields(Strategy)]
 _NESTED = {"deepspeed": DeepSpeedSpec, "fsdp": FsdpSpec}
 # A trial entry is Strategy fields plus these per-trial overrides; `device` is the recipe's.
-_TRIAL_EXTRAS = ("measure", "run")
+_TRIAL_EXTRAS = ("measure", "run", "training_args")
 _TOP_KEYS = (
     "name",
     "description",
@@ -563,6 +564,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
 
     # (source path, name or None, strategy fields, measure overrides, run overrides, ordered items for naming)
     entries: list[tuple[str, str | None, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[str, Any]]]] = []
+    trial_training_args: dict[str, dict[str, Any]] = {}  # per-trial `training_args:` overrides, by source path
     raw_trials = data.get("trials") or []
     if not isinstance(raw_trials, list):
         raise _Invalid("trials", f"expected a list of trials, got {_show(raw_trials)}")
@@ -576,9 +578,12 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
             _convert(str, trial_name, _join(path, "name"))
         measure_over = raw.pop("measure", None) or {}
         run_over = raw.pop("run", None) or {}
-        for key, over in (("measure", measure_over), ("run", run_over)):
+        args_over = raw.pop("training_args", None) or {}
+        for key, over in (("measure", measure_over), ("run", run_over), ("training_args", args_over)):
             if not isinstance(over, dict):
                 raise _Invalid(_join(path, key), f"expected a mapping, got {_show(over)}")
+        if args_over:
+            trial_training_args[path] = _check_training_args(args_over, _join(path, "training_args"))
         _check_partial_strategy(raw, path, also_valid=("name", *_TRIAL_EXTRAS))
         entries.append((path, trial_name, _undot(raw), measure_over, run_over, list(raw.items())))
 
@@ -592,6 +597,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     seen: dict[str, str] = {}
     for path, trial_name, fields_, measure_over, run_over, items in entries:
         name_ = trial_name or _auto_name(items)
+        args_over = trial_training_args.get(path, {})
         if path.startswith("matrix"):
             path = f"matrix[{name_}]"
         if name_ in seen:
@@ -611,7 +617,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
             strategy=strategy,
             model=model,
             data=data_spec,
-            training_args=dict(training_args),
+            training_args={**training_args, **args_over},
             measure=trial_measure,
         )
         trials.append(RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path))
@@ -681,13 +687,14 @@ def _check_measure(measure: MeasureSpec, path: str) -> None:
         raise _Invalid(_join(path, "timeout_s"), f"expected a positive number of seconds, got {measure.timeout_s}")
 
 
-def _check_training_args(training_args: dict[str, Any]) -> dict[str, Any]:
-    """The recipe's ``training_args`` checked against what the strategy owns and what ``TrainingArguments`` has;
-    numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a float."""
+def _check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
+    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
+    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
+    float."""
     for key in training_args:
         if key in OWNED_TRAINING_ARGS:
             raise _Invalid(
-                _join("training_args", key),
+                _join(path, key),
                 f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
             )
     known = _training_args_fields()
@@ -698,7 +705,7 @@ def _check_training_args(training_args: dict[str, Any]) -> dict[str, Any]:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise _Invalid(_join("training_args", key), f"not a transformers.TrainingArguments field{hint}")
+            raise _Invalid(_join(path, key), f"not a transformers.TrainingArguments field{hint}")
         number = _float_text(value)
         out[key] = number if number is not None and known[key] else value
     return out

@@ -4,7 +4,8 @@
 (``hfscale.results``) and writes, next to it or into ``--out``:
 
 ============================  =====================================================================================
-``report.md``                 environment, recommendation, one table row per trial, memory table, failures, plots
+``report.md``                 environment, recommendation, one table row per trial (measured and predicted peak,
+                              loss parity), memory table, largest batch (``--find-max-batch``), failures, plots
                               (PNG files beside it)
 ``report.html``               the same, self-contained: inline CSS, plots embedded as base64 PNG, no network
 ``results.csv``               one row per trial with every number unrounded, for your own analysis
@@ -15,9 +16,10 @@
 
 ``hfscale compare RUN_A RUN_B`` puts the same trials (matched by name) of two runs side by side with B/A ratios.
 
-The numbers are the measured ones from ``results.jsonl``; this module computes only comparisons (speed-up and
-memory saved against the baseline, ratios between runs), the Pareto front, the recommendation and the memory
-breakdown, whose derivation is documented on :class:`MemoryBreakdown`.
+The numbers are the measured ones from ``results.jsonl`` (and the estimate made before each trial ran); this
+module computes only comparisons (speed-up and memory saved against the baseline, the estimate's error, ratios
+between runs), the loss parity check of rows that carry none (:func:`with_parity`, ``hfscale.parity``), the Pareto
+front, the recommendation and the memory breakdown, whose derivation is documented on :class:`MemoryBreakdown`.
 
 This is the only module that imports pandas and matplotlib, and only when a report is written.
 """
@@ -303,6 +305,14 @@ class TrialRow:
     """No other ok trial is at least as fast and as small, and better in one of them."""
     fits_budget: bool | None = None
     """Whether the fit memory (reserved peak where known, else peak) is within the budget; None without one."""
+    parity_status: str | None = None
+    """``baseline`` (the reference), ``ok``, ``flagged``, ``not compared`` (with ``parity_reason``), or None when
+    the loss was not checked (the trial did not finish ok)."""
+    parity_max_deviation_pct: float | None = None
+    """Largest deviation of the smoothed loss from the baseline's, in percent of the baseline's."""
+    batch_search: dict[str, Any] | None = None
+    """``row.extra["batch_search"]`` (``hfscale sweep --find-max-batch``): the largest batch that fits and every
+    probe; None when no search was asked."""
 
     @property
     def ok(self) -> bool:
@@ -325,6 +335,16 @@ class TrialRow:
     @property
     def mfu_pct(self) -> float | None:
         return None if self.mfu is None else 100.0 * self.mfu
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """The largest per-device batch that fitted in the batch search."""
+        return _int(self.batch_search, "max_batch_size")
+
+    @property
+    def max_batch_samples_per_s(self) -> float | None:
+        """Samples/s of the probe at :attr:`max_batch_size`."""
+        return _num(self.batch_search, "samples_per_s")
 
 
 def _describe(result: TrialResult) -> str:
@@ -393,6 +413,8 @@ def _row(group: Sequence[TrialResult], name: str) -> TrialRow:
         parity = next(p for p in flagged if p.get("flagged"))
     speeds = [v for v in (_num(t, "samples_per_s") for t in throughputs) if v is not None]
     median_speed = _median(speeds)
+    search = next((r.extra["batch_search"] for r in group if isinstance(r.extra.get("batch_search"), Mapping)), None)
+    deviation = _num(parity, "max_rel_deviation")  # None for a non-finite loss: the reason says which step
     return TrialRow(
         trial=name,
         description=_describe(first),
@@ -424,10 +446,44 @@ def _row(group: Sequence[TrialResult], name: str) -> TrialRow:
         loss_curve=tuple(float(x) for x in first.loss_curve or ()),
         parity_flagged=None if parity is None else bool(parity.get("flagged")),
         parity_reason=None if parity is None else parity.get("reason"),
+        parity_status=_parity_status(parity),
+        parity_max_deviation_pct=None if deviation is None else 100.0 * deviation,
+        batch_search=dict(search) if search is not None else None,
         breakdown=MemoryBreakdown.from_memory(memory, deepspeed=first.strategy.get("deepspeed") is not None),
         memory_notes=tuple(str(n) for n in (memory or {}).get("notes") or ()),
         stderr_tail=next((r.stderr_tail for r in group if r.status != "ok" and r.stderr_tail), None),
     )
+
+
+def _parity_status(parity: Mapping[str, Any] | None) -> str | None:
+    if parity is None:
+        return None
+    if parity.get("flagged"):
+        return "flagged"
+    if parity.get("is_baseline"):
+        return "baseline"
+    return "ok" if parity.get("compared", True) else "not compared"
+
+
+def with_parity(results: Sequence[TrialResult]) -> list[TrialResult]:
+    """The rows, each ``ok`` row without ``extra["parity"]`` given the loss check against the baseline
+    (:func:`hfscale.parity.annotate_rows`, its default tolerance); rows are copied, never changed in place.
+
+    Parity is derived from the loss curves the rows hold, so ``results.jsonl`` stays as the sweep appended it and
+    a report of any run folder (a resumed one, an older one) shows it. A row that already carries a parity record
+    keeps it.
+    """
+    from hfscale.parity import annotate_rows
+
+    copies = [dataclasses.replace(r, extra=dict(r.extra)) for r in results]
+    if all("parity" in r.extra for r in copies if r.status == "ok"):
+        return copies
+    checked = [dataclasses.replace(r, extra=dict(r.extra)) for r in copies]
+    annotate_rows(checked)
+    for row, check in zip(copies, checked, strict=True):
+        if "parity" not in row.extra and "parity" in check.extra:
+            row.extra["parity"] = check.extra["parity"]
+    return copies
 
 
 # -- comparisons ------------------------------------------------------------------------------------------------
@@ -509,13 +565,14 @@ def summarize(
     memory_budget_bytes: int | None = None,
     run_dir: str | Path = ".",
 ) -> Summary:
-    """Rows, baseline comparisons, Pareto front and recommendation for a run's results.
+    """Rows, baseline comparisons, Pareto front and recommendation for a run's results; ok rows without a loss
+    parity record get one (:func:`with_parity`).
 
     Without ``memory_budget_bytes`` the budget is the GPU memory ``environment.json`` records
     (:func:`gpu_memory_from_environment`), else there is none and the recommendation says so.
     """
     environment = dict(environment or {})
-    rows = [_row(group, name) for name, group in _group(results)]
+    rows = [_row(group, name) for name, group in _group(with_parity(results))]
     baseline, baseline_note = _baseline(rows)
     if baseline is not None:
         rows = [_against(row, baseline) for row in rows]
@@ -710,9 +767,37 @@ def _notes(row: TrialRow, summary: Summary) -> str:
         notes.append("over budget")
     if row.parity_flagged:
         notes.append(f"loss flagged: {_short(row.parity_reason, 60)}" if row.parity_reason else "loss flagged")
-    elif row.parity_flagged is False:
+    elif row.parity_status == "ok":
         notes.append("loss parity ok")
     return "; ".join(notes)
+
+
+def _parity_cell(row: TrialRow, limit: int = 70) -> str:
+    status = row.parity_status
+    if status is None:
+        return "—"
+    if status == "baseline":
+        return "reference"
+    if status == "ok":
+        return "ok" + (
+            f" (max {row.parity_max_deviation_pct:.1f} %)" if row.parity_max_deviation_pct is not None else ""
+        )
+    if status == "flagged":
+        return "FLAGGED" + (f": {_short(row.parity_reason, limit)}" if row.parity_reason else "")
+    return f"not compared: {_short(row.parity_reason, limit)}" if row.parity_reason else "not compared"
+
+
+def _max_batch_cell(row: TrialRow) -> str:
+    search = row.batch_search
+    if not search:
+        return "—"
+    if search.get("searched") is False:
+        return "not searched"
+    if row.max_batch_size is None:
+        return "none fits"
+    speed = row.max_batch_samples_per_s
+    plus = "+" if search.get("reached_upper_limit") else ""
+    return f"{row.max_batch_size}{plus}" + (f" ({speed:.2f}/s)" if speed is not None else "")
 
 
 Column = tuple[str, Callable[[TrialRow], str]]
@@ -725,6 +810,9 @@ def _main_columns(summary: Summary) -> list[Column]:
             ("runs", lambda r: str(r.runs)),
             ("samples/s spread (%)", lambda r: _f(r.samples_per_s_spread_pct, 1)),
         ]
+    batch: list[Column] = []
+    if any(r.batch_search for r in summary.rows):
+        batch = [("max batch (samples/s)", _max_batch_cell)]
     return [
         ("trial", lambda r: r.trial),
         ("strategy", lambda r: r.description),
@@ -737,9 +825,13 @@ def _main_columns(summary: Summary) -> list[Column]:
         ("tokens/s", lambda r: _f(r.tokens_per_s, 0)),
         ("MFU (%)", lambda r: _f(r.mfu_pct, 1)),
         ("peak memory (GiB)", lambda r: _f(r.peak_gib, 3)),
+        ("predicted peak (GiB)", lambda r: _f(r.estimate_gib, 3)),
+        ("prediction error (%)", lambda r: _f(r.estimate_error_pct, 1)),
+        *batch,
         ("speed-up vs baseline (x)", lambda r: _f(r.speedup_x, 2)),
         ("memory saved vs baseline (%)", lambda r: _f(r.memory_saved_pct, 1)),
         ("final loss", lambda r: _f(r.final_loss, 4)),
+        ("loss parity", _parity_cell),
         ("notes", lambda r: _notes(r, summary)),
     ]
 
@@ -855,6 +947,75 @@ _DEFINITIONS = (
     "A trial run several times (repeats) shows the median of the runs that finished ok and the largest peak, and "
     "is ok only when every run was."
 )
+
+
+def _estimate_parity_definitions() -> str:
+    from hfscale.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
+
+    return (
+        "**predicted peak**: hfscale's estimate of the training peak per device, made before the trial ran "
+        "(`hfscale estimate`: weights + gradients + optimizer states + activations + overhead; the CUDA context is "
+        "not in it); **prediction error** = (predicted − measured) / measured peak, in percent: positive when the "
+        "estimate was too high. On CPU the measured peak is the process's resident set, which holds the "
+        "interpreter and its libraries (see the weights in the Memory table), so the estimate reads low there. "
+        f"**loss parity**: each trial's loss curve against the baseline's, per optimizer step, smoothed over "
+        f"{DEFAULT_WINDOW} steps; FLAGGED when it is not finite or departs by more than "
+        f"{DEFAULT_REL_TOLERANCE:.0%} of the baseline's loss + {DEFAULT_ABS_TOLERANCE:g} at any step (training "
+        "probably broke: a learning rate far too high, gradients never synchronised, ...), and a flagged trial is "
+        "never recommended; *max* is the largest deviation seen. Trials with another global batch are not "
+        "compared (their steps are not the same steps)."
+    )
+
+
+_BATCH_HEADERS = ("trial", "start", "max batch", "samples/s at max batch", "first out of memory", "probes", "notes")
+
+_BATCH_NOTE = (
+    "Each probe trains the trial's warm-up steps plus a few more at one per-device batch size, in a fresh process "
+    "group with the trial's memory limit (configs and logs in trials/NAME/probes/bsN/). From the first size (the "
+    "estimate's largest that fits the budget, else the trial's own) it doubles until out of memory, halves "
+    "until one fits, then bisects. Out of memory bounds the search; any other failure stops it. The samples/s are "
+    "the probe's steady-state figure over its few steps; + marks a search that reached its upper limit."
+)
+
+
+def _probe_text(probe: Mapping[str, Any]) -> str:
+    text = f"{probe.get('batch_size')}: {probe.get('status')}"
+    speed, peak = _num(probe, "samples_per_s"), _num(probe, "peak_memory_gib")
+    extras = [f"{speed:.2f}/s" if speed is not None else "", f"{peak:.3f} GiB" if peak is not None else ""]
+    extras = [e for e in extras if e]
+    return text + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _batch_cells(row: TrialRow) -> list[str]:
+    search = row.batch_search or {}
+    if search.get("searched") is False:
+        return [row.trial, "—", "—", "—", "—", "", f"not searched: {search.get('reason') or '?'}"]
+    notes = []
+    if search.get("same_as"):
+        notes.append(f"the search of {search['same_as']}, which differs only in its batch size")
+    if search.get("start_from"):
+        notes.append(f"started from {search['start_from']}")
+    if search.get("trial_run_batch_size"):
+        notes.append(f"batch {search['trial_run_batch_size']} is the trial's own run")
+    if search.get("reached_upper_limit"):
+        notes.append(f"the upper limit ({search.get('upper_limit', '?')}) fitted: the real limit may be higher")
+    if search.get("stopped_reason"):
+        notes.append(f"stopped: {_short(search['stopped_reason'], 120)}")
+    if search.get("probe_steps"):
+        notes.append(f"probes: warm-up + {search['probe_steps']} steps")
+    first_oom = _int(search, "first_oom_batch_size")
+    return [
+        row.trial,
+        "—" if _int(search, "start") is None else str(_int(search, "start")),
+        "none fits"
+        if row.max_batch_size is None
+        else f"{row.max_batch_size}" + ("+" if search.get("reached_upper_limit") else ""),
+        _f(row.max_batch_samples_per_s, 2),
+        "—" if first_oom is None else str(first_oom),
+        "; ".join(_probe_text(p) for p in search.get("probes") or () if isinstance(p, Mapping)),
+        "; ".join(notes),
+    ]
+
 
 _BREAKDOWN_NOTE = (
     "Memory breakdown, from the memory held at the end of each phase of the first step (max over ranks): "
@@ -1107,12 +1268,16 @@ def _render_markdown(summary: Summary, figures: Sequence[_Figure]) -> str:
         out += [_NO_ENV, ""]
     columns = _main_columns(summary)
     out += ["## Trials", "", _md_table([h for h, _ in columns], ([fn(r) for _, fn in columns] for r in summary.rows))]
-    out += ["", _DEFINITIONS, ""]
+    out += ["", _DEFINITIONS, "", _estimate_parity_definitions(), ""]
     for fig in figures:
         out += [f"## {fig.title}", "", f"![{fig.title}]({fig.name})", "", fig.caption, ""]
     columns = _memory_columns()
     out += ["## Memory", "", _md_table([h for h, _ in columns], ([fn(r) for _, fn in columns] for r in summary.rows))]
     out += ["", _BREAKDOWN_NOTE, ""]
+    searched = [r for r in summary.rows if r.batch_search]
+    if searched:
+        out += ["## Largest batch that fits", "", _md_table(_BATCH_HEADERS, (_batch_cells(r) for r in searched))]
+        out += ["", _BATCH_NOTE, ""]
     failures = _failures(summary)
     if failures:
         out += ["## Trials that did not finish ok", ""]
@@ -1145,7 +1310,9 @@ figcaption{color:#555;font-size:13px;max-width:900px}pre{background:#f6f8fa;padd
 font-size:12px}.env td:first-child{font-family:monospace;white-space:nowrap}
 """
 
-_NUMERIC_HEADERS = re.compile(r"\((s|GiB|x|%)\)|samples/s|tokens/s|loss|retries|processes|^runs$")
+_NUMERIC_HEADERS = re.compile(
+    r"\((s|GiB|x|%)\)|samples/s|tokens/s|final loss|retries|processes|^runs$|^(start|max batch|first out of memory)$"
+)
 
 
 def _html_table(headers: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]], klass: str = "") -> str:
@@ -1230,6 +1397,7 @@ def _render_html(summary: Summary, figures: Sequence[_Figure]) -> str:
         )
     )
     body.append(f'<p class="note">{_md_bold_to_html(_DEFINITIONS)}</p>')
+    body.append(f'<p class="note">{_md_bold_to_html(_estimate_parity_definitions())}</p>')
     body += [_html_figure(fig) for fig in figures]
     columns = _memory_columns()
     body.append("<h2>Memory</h2>")
@@ -1239,6 +1407,11 @@ def _render_html(summary: Summary, figures: Sequence[_Figure]) -> str:
         )
     )
     body.append(f'<p class="note">{html.escape(_BREAKDOWN_NOTE)}</p>')
+    searched = [r for r in summary.rows if r.batch_search]
+    if searched:
+        body.append("<h2>Largest batch that fits</h2>")
+        body.append(_html_table(_BATCH_HEADERS, [(_row_class(r, summary), _batch_cells(r)) for r in searched]))
+        body.append(f'<p class="note">{html.escape(_BATCH_NOTE)}</p>')
     failures = _failures(summary)
     if failures:
         body.append("<h2>Trials that did not finish ok</h2>")
@@ -1261,12 +1434,29 @@ def _csv_frame(summary: Summary) -> Any:
         record = {
             k: v
             for k, v in dataclasses.asdict(r).items()
-            if k not in ("breakdown", "loss_curve", "stderr_tail", "on_pareto_front", "fits_budget", "memory_notes")
+            if k
+            not in (
+                "breakdown",
+                "loss_curve",
+                "stderr_tail",
+                "on_pareto_front",
+                "fits_budget",
+                "memory_notes",
+                "batch_search",
+            )
         }
         record["memory_notes"] = "; ".join(r.memory_notes)
         record["mfu_pct"] = r.mfu_pct
         record["estimate_error_pct"] = r.estimate_error_pct
         record["fit_gib"] = r.fit_gib
+        if any(row.batch_search for row in summary.rows):
+            search = r.batch_search or {}
+            record["max_batch_size"] = r.max_batch_size
+            record["max_batch_samples_per_s"] = r.max_batch_samples_per_s
+            record["first_oom_batch_size"] = _int(search, "first_oom_batch_size")
+            record["batch_probes"] = "; ".join(
+                _probe_text(p) for p in search.get("probes") or () if isinstance(p, Mapping)
+            )
         for name, value in (r.breakdown.components() if r.breakdown else {}).items():
             record[f"{name}_gib"] = value
         record["on_pareto_front"] = r.on_pareto_front
@@ -1617,6 +1807,7 @@ __all__ = [
     "pareto_front",
     "parse_memory_size",
     "summarize",
+    "with_parity",
     "write_comparison",
     "write_report",
 ]
