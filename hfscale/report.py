@@ -950,7 +950,7 @@ _DEFINITIONS = (
 
 
 def _estimate_parity_definitions() -> str:
-    from hfscale.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
+    from hfscale.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_NOISE_K, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
 
     return (
         "**predicted peak**: hfscale's estimate of the training peak per device, made before the trial ran "
@@ -959,9 +959,12 @@ def _estimate_parity_definitions() -> str:
         "estimate was too high. On CPU the measured peak is the process's resident set, which holds the "
         "interpreter and its libraries (see the weights in the Memory table), so the estimate reads low there. "
         f"**loss parity**: each trial's loss curve against the baseline's, per optimizer step, smoothed over "
-        f"{DEFAULT_WINDOW} steps; FLAGGED when it is not finite or departs by more than "
-        f"{DEFAULT_REL_TOLERANCE:.0%} of the baseline's loss + {DEFAULT_ABS_TOLERANCE:g} at any step (training "
-        "probably broke: a learning rate far too high, gradients never synchronised, ...), and a flagged trial is "
+        f"{DEFAULT_WINDOW} steps; FLAGGED when it is not finite, its smoothed curve departs by more than "
+        f"max({DEFAULT_REL_TOLERANCE:.0%} of the baseline's loss + {DEFAULT_ABS_TOLERANCE:g}, "
+        f"{DEFAULT_NOISE_K:g}x the baseline's own step noise) at any step, or its mean loss departs by more than "
+        f"{DEFAULT_REL_TOLERANCE:.0%} + {DEFAULT_ABS_TOLERANCE:g} (training probably broke: a learning rate far too "
+        "high, gradients never synchronised, ...); a loss logged at a known multiple (the gradient accumulation or "
+        "process-count ratio to the baseline) is divided by it first. A flagged trial is "
         "never recommended; *max* is the largest deviation seen. Trials with another global batch are not "
         "compared (their steps are not the same steps)."
     )

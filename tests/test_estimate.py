@@ -390,6 +390,44 @@ def test_estimate_scales_with_batch_and_checkpointing_saves():
     assert est[8, False].weights_gib == est[4, False].weights_gib
 
 
+def _plain_sum(est: MemoryEstimate) -> float:
+    return est.weights_gib + est.gradients_gib + est.optimizer_gib + est.activations_gib + est.overhead_gib
+
+
+def test_gradients_overlap_activations_only_with_one_micro_batch():
+    """One micro-batch: peak = weights + optimizer + max(forward, gradients + step); else the plain sum."""
+    model = ModelSpec(type="bert", config=TINY_BERT)
+    base = Strategy(device="cuda", per_device_batch_size=16, precision="bf16")
+    one = estimate_memory(model, base, seq_len=512)
+    acc = estimate_memory(model, base.replace(gradient_accumulation_steps=4), seq_len=512)
+    zero2 = estimate_memory(model, base.replace(deepspeed=DeepSpeedSpec(zero_stage=2)), seq_len=512)
+    fsdp = estimate_memory(model, base.replace(num_processes=2, fsdp=FsdpSpec()), seq_len=512)
+
+    # accumulation, DeepSpeed and FSDP keep the gradients through the forward pass: the total is the plain sum
+    for est in (acc, zero2, fsdp):
+        assert est.overlap_gib == 0 and est.total_gib == pytest.approx(_plain_sum(est), rel=1e-12)
+    # one micro-batch: the same parts as with accumulation (only when gradients live differs) ...
+    for part in ("weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "overhead_gib"):
+        assert getattr(one, part) == getattr(acc, part)
+    # ... less the overlap: min(gradients, what the forward pass holds - the step's temporaries)
+    parts = one.overhead_parts_gib
+    forward = one.activations_gib + parts.get("autocast_weight_copies", 0) + parts.get("loss_buffers", 0)
+    step = 4 * one.num_params / GIB  # foreach AdamW on CUDA: one exp_avg_sq.sqrt() for every parameter
+    always = one.overhead_gib - parts.get("autocast_weight_copies", 0) - parts.get("loss_buffers", 0)
+    always -= parts.get("optimizer_step", 0)  # what is held throughout: the cuBLAS workspaces here
+    assert forward > one.gradients_gib + step  # this shape is activation-bound: the whole gradient overlaps
+    assert one.overlap_gib == pytest.approx(min(one.gradients_gib, forward - step), rel=1e-9)
+    assert one.total_gib == pytest.approx(_plain_sum(one) - one.overlap_gib, rel=1e-12)
+    assert one.total_gib == pytest.approx(
+        one.weights_gib + one.optimizer_gib + max(forward, one.gradients_gib + step) + always, rel=1e-9
+    )
+
+    # the step's temporaries (foreach AdamW: 4N) outgrow a tiny forward pass: nothing overlaps, the sum again
+    tiny = estimate_memory(model, base.replace(per_device_batch_size=1), seq_len=8)
+    assert "optimizer_step" in tiny.overhead_parts_gib
+    assert tiny.overlap_gib == 0 and tiny.total_gib == pytest.approx(_plain_sum(tiny), rel=1e-12)
+
+
 def test_cli_table(capsys):
     model = ["--config", "hidden_size=128", "--config", "num_hidden_layers=2", "--config", "num_attention_heads=2"]
     code = main(["bert", *model, "--seq-len", "128", "--batch-size", "4", "--memory-budget", "2GiB"])

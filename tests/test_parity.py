@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +160,59 @@ def test_real_runs_broken_learning_rate_is_flagged(tmp_path, caplog):
     assert parity["lr10"]["flagged"], parity["lr10"]
     assert parity["lr10"]["max_rel_deviation"] > 1.0
     assert "lr10" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# real curves: a bert-large sweep on an H100 (128 steps of batch 4 on random labels: large per-step noise)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _h100_rows() -> list[TrialResult]:
+    data = json.loads((Path(__file__).parent / "data" / "parity_h100.json").read_text(encoding="utf-8"))
+    return [
+        TrialResult(
+            trial=t["trial"],
+            strategy=t["strategy"],
+            status="ok",
+            is_baseline=t["is_baseline"],
+            loss_curve=t["loss_curve"],
+        )
+        for t in data["trials"]
+    ]
+
+
+def test_h100_noisy_curves_pass_and_accumulation_is_rescaled():
+    rows = _h100_rows()
+    base = next(r for r in rows if r.is_baseline).loss_curve
+    # the relative band alone flags mixed precision and ZeRO on this noise; the noise-aware band does not
+    fp16 = next(r for r in rows if r.trial == "bs4-fp16").loss_curve
+    assert check_parity(base, fp16, noise_k=0).flagged
+    annotate_rows(rows)
+    parity = {r.trial: r.extra["parity"] for r in rows}
+    for name in ("bs4-fp16", "bs4-bf16", "zero2-bf16", "zero3-bf16", "bs4-adam8bit", "bs4-adafactor"):
+        assert parity[name]["compared"] and not parity[name]["flagged"], (name, parity[name]["reason"])
+        assert parity[name]["loss_scale"] == 1
+    for name in ("bs1-acc4", "bs1-acc4-ckpt", "bs1-acc4-ckpt-fp16", "bs1-acc4-ckpt-fp16-adam8bit"):
+        assert parity[name]["loss_scale"] == 4 and "x4" in parity[name]["note"], (name, parity[name])
+        assert not parity[name]["flagged"], (name, parity[name]["reason"])
+        assert abs(parity[name]["mean_rel_deviation"]) < 0.05
+    assert parity["bs4-fp16"]["noise"] > 0.1  # the baseline's measured step noise (random labels, batch 4)
+
+
+def test_h100_noise_does_not_hide_a_real_departure():
+    rows = _h100_rows()
+    base = next(r for r in rows if r.is_baseline).loss_curve
+    # a learning rate of 10 reaches losses of 50-400 within a few steps
+    exploded = [*base[:10], *(50.0 + 3 * i for i in range(len(base) - 10))]
+    result = check_parity(base, exploded)
+    assert result.flagged and result.reason.startswith("smoothed loss") and result.worst_step > 10
+    # a curve shifted up by 0.4 as a whole stays inside the per-step noise band (4 x 0.14) but not the mean check
+    shifted = [x + 0.4 for x in base]
+    result = check_parity(base, shifted)
+    assert result.noise_k * result.noise > 0.4
+    assert result.flagged and result.reason.startswith("mean loss"), result.reason
+    assert result.mean_rel_deviation > 0.3
+    # the accumulation curve compared as is (no accumulation recorded, so no known scale): flagged at step 1
+    acc4 = next(r for r in rows if r.trial == "bs1-acc4")
+    result = check_parity(base, acc4.loss_curve)
+    assert result.flagged and result.worst_step is not None and result.max_rel_deviation > 2
