@@ -137,6 +137,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from hfscale.memory import parse_memory_size
 from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, DeepSpeedSpec, FsdpSpec, Strategy, StrategyError
 from hfscale.trial import DataSpec, ModelSpec, TrialSpec
 
@@ -801,42 +802,6 @@ def predict_fit(spec: TrialSpec, budget_bytes: int, *, reserve_bytes: int | None
     return FitPrediction(estimate=estimate, fits=fits, reason=reason)
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str) -> int:
-    """``80GiB`` -> bytes (GiB/MiB binary, GB/MB decimal, a bare number is bytes).
-
-    Raises:
-        ValueError: when the text is not a size.
-    """
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"not a memory size: {text!r} (expected e.g. 80GiB, 16GB, 512MiB)")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
-
-
 # --------------------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------------------
@@ -991,7 +956,7 @@ def format_table(rows: Sequence[tuple[TrialSpec, MemoryEstimate, bool | None]]) 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        budget = parse_size(args.memory_budget) if args.memory_budget else None
+        budget = parse_memory_size(args.memory_budget) if args.memory_budget else None
         specs = _specs_from_args(args)
         rows = []
         for spec in specs:
@@ -1038,7 +1003,6 @@ __all__ = [
     "main",
     "model_shape_from_module",
     "optimizer_state_bytes",
-    "parse_size",
     "predict_fit",
     "predicted_to_fit",
 ]

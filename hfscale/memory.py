@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -263,6 +264,38 @@ def probe_for(device: Any) -> MemoryProbe:
     return CpuProbe()
 
 
+_UNITS: dict[str, int] = {
+    "tib": 2**40,
+    "gib": 2**30,
+    "mib": 2**20,
+    "tb": 10**12,
+    "gb": 10**9,
+    "mb": 10**6,
+}
+_UNIT_NAMES = "TiB, GiB, MiB (powers of 2) or TB, GB, MB (powers of 10)"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*$")
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in a memory size written with its unit: ``16GiB``, ``16 GB``, ``512MiB``, ``1.5TiB`` (case ignored).
+
+    Raises:
+        ValueError: when the text is not a positive number followed by one of TiB, GiB, MiB, TB, GB, MB; a bare
+            number is refused because GiB and GB differ by 7 %.
+    """
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a memory size: expected a number and a unit, e.g. 16GiB, 80GB or "
+            f"512MiB; units: {_UNIT_NAMES}"
+        )
+    size = float(match.group(1)) * _UNITS[unit]
+    if size <= 0:
+        raise ValueError(f"cannot read {text!r} as a memory size: it must be greater than zero")
+    return int(size)
+
+
 __all__ = [
     "GIB",
     "CpuProbe",
@@ -272,6 +305,7 @@ __all__ = [
     "cpu_peak_rss_bytes",
     "cpu_rss_bytes",
     "nvml_memory",
+    "parse_memory_size",
     "probe_for",
     "reset_cpu_peak_rss",
     "to_gib",

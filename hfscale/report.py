@@ -41,22 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfscale.memory import parse_memory_size
 from hfscale.results import RESULTS_FILE, TrialResult, read_environment, read_results
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-
-_UNITS: dict[str, int] = {
-    "tib": 2**40,
-    "gib": 2**30,
-    "mib": 2**20,
-    "tb": 10**12,
-    "gb": 10**9,
-    "mb": 10**6,
-}
-_UNIT_NAMES = "TiB, GiB, MiB (powers of 2) or TB, GB, MB (powers of 10)"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*$")
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -64,26 +54,6 @@ REPORT_CSV = "results.csv"
 COMPARE_MD = "compare.md"
 COMPARE_HTML = "compare.html"
 COMPARE_CSV = "compare.csv"
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes in a memory size written with its unit: ``16GiB``, ``16 GB``, ``512MiB``, ``1.5TiB`` (case ignored).
-
-    Raises:
-        ValueError: when the text is not a positive number followed by one of TiB, GiB, MiB, TB, GB, MB; a bare
-            number is refused because GiB and GB differ by 7 %.
-    """
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as a memory size: expected a number and a unit, e.g. 16GiB, 80GB or "
-            f"512MiB; units: {_UNIT_NAMES}"
-        )
-    size = float(match.group(1)) * _UNITS[unit]
-    if size <= 0:
-        raise ValueError(f"cannot read {text!r} as a memory size: it must be greater than zero")
-    return int(size)
 
 
 def format_bytes(size_bytes: int | float) -> str:

@@ -26,10 +26,10 @@ from hfscale.estimate import (
     main,
     model_shape_from_module,
     optimizer_state_bytes,
-    parse_size,
     predict_fit,
     predicted_to_fit,
 )
+from hfscale.memory import parse_memory_size
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
 from hfscale.trial import DataSpec, ModelSpec, TrialSpec
 
@@ -341,13 +341,14 @@ def test_optimizer_state_bytes_rejects_unknown():
         optimizer_state_bytes(shape, "lion")
 
 
-def test_parse_size():
-    assert parse_size("80GiB") == 80 * GIB
-    assert parse_size("16GB") == 16 * 10**9
-    assert parse_size("512 MiB") == 512 * 1024**2
-    assert parse_size("1024") == 1024
-    with pytest.raises(ValueError, match="not a memory size"):
-        parse_size("lots")
+def test_memory_budget_strings():
+    assert parse_memory_size("80GiB") == 80 * GIB
+    assert parse_memory_size("16GB") == 16 * 10**9
+    assert parse_memory_size("512 MiB") == 512 * 1024**2
+    with pytest.raises(ValueError, match="expected a number and a unit"):
+        parse_memory_size("1024")
+    with pytest.raises(ValueError, match="expected a number and a unit"):
+        parse_memory_size("lots")
 
 
 def test_predicted_to_fit_counts_the_cuda_context():
