@@ -9,8 +9,10 @@ the same time (*overlap*, see "Gradients and activations" below):
 ``total = weights + gradients + optimizer + activations + overhead - overlap``
 
 ``total`` is what the framework allocates (``torch.cuda.max_memory_allocated``); the CUDA context and allocator
-slack are not in it. :func:`predicted_to_fit` adds a reserve for them (1343 MB: the V100 reference's "after CUDA
-initialisation alone", ``shared/reference/v100-bert-large.md``).
+slack are not in it. :func:`predicted_to_fit` adds a reserve for them that is *assumed*, not measured (nothing has
+run when the estimate is made): 1343 MB, the V100 reference's "after CUDA initialisation alone"
+(``shared/reference/v100-bert-large.md``); the real context differs by GPU, driver and CUDA version, so pass
+``reserve_bytes`` where it was measured (a sweep's NVML process use less the allocator's reserved peak).
 
 Model states (N parameters, T parameter tensors, g processes in the sharding group)
 -----------------------------------------------------------------------------------
@@ -148,7 +150,8 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 CUDA_CONTEXT_BYTES = 1343 * 1024**2
-"""Memory a CUDA device shows used after initialisation alone, outside torch's allocator (V100 reference figure)."""
+"""Assumed, not measured: the CUDA context outside torch's allocator, from the V100 reference (1343 MB used after CUDA
+initialisation alone, ``shared/reference/v100-bert-large.md``). Other GPUs, drivers and CUDA versions differ."""
 CUBLAS_WORKSPACES_BYTES = 2 * 32 * 1024**2
 """Two cuBLAS workspaces in torch's allocator (forward thread and autograd thread), 32 MiB each on Hopper."""
 
@@ -763,7 +766,8 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
 
 
 def default_reserve_bytes(device: str) -> int:
-    """Memory outside the allocator's peak that a device needs: the CUDA context on a GPU, nothing on the CPU."""
+    """Memory outside the allocator's peak that a device needs: on a GPU the assumed CUDA context
+    (:data:`CUDA_CONTEXT_BYTES`, the V100 reference's figure, not measured), nothing on the CPU."""
     return CUDA_CONTEXT_BYTES if device == "cuda" else 0
 
 
@@ -796,7 +800,12 @@ def predict_fit(spec: TrialSpec, budget_bytes: int, *, reserve_bytes: int | None
     if not fits:
         reason = (
             f"predicted out of memory: {estimate.total_gib:.2f} GiB peak per device"
-            + (f" + {reserve / GIB:.2f} GiB reserve" if reserve else "")
+            + (
+                f" + {reserve / GIB:.2f} GiB "
+                + ("CUDA context (assumed, V100 reference)" if reserve_bytes is None else "reserve")
+                if reserve
+                else ""
+            )
             + f" > budget {budget_bytes / GIB:.2f} GiB (hfscale estimate; run without --skip-predicted-oom to try)"
         )
     return FitPrediction(estimate=estimate, fits=fits, reason=reason)
@@ -854,6 +863,16 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hfscale estimate",
@@ -870,11 +889,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="model config override (repeatable), e.g. --config hidden_size=1024",
     )
     parser.add_argument("--task", choices=["classification", "causal_lm"], default=None)
-    parser.add_argument("--num-gpus", type=int, default=None, help="processes in all (default: recipe's or 1)")
-    parser.add_argument("--num-machines", type=int, default=None)
+    parser.add_argument(
+        "--num-gpus", type=_positive_int, default=None, help="processes in all (default: recipe's or 1)"
+    )
+    parser.add_argument("--num-machines", type=_positive_int, default=None)
     parser.add_argument("--memory-budget", default=None, help="memory per device, e.g. 80GiB, 16GB")
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=None, help="per-device batch size")
+    parser.add_argument("--seq-len", type=_positive_int, default=None)
+    parser.add_argument("--batch-size", type=_positive_int, default=None, help="per-device batch size")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -953,6 +974,15 @@ def format_table(rows: Sequence[tuple[TrialSpec, MemoryEstimate, bool | None]]) 
     return "\n".join([fmt(headers), fmt("-" * w for w in widths), *(fmt(r) for r in lines)])
 
 
+def _config_error() -> type[Exception]:
+    """huggingface_hub's strict-config validation error (a plain ``Exception``), RuntimeError where it is missing."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return RuntimeError
+    return StrictDataclassError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -965,6 +995,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, StrategyError, FileNotFoundError, ImportError) as exc:
         print(f"hfscale estimate: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TypeError, _config_error()) as exc:  # transformers/torch rejecting a config value
+        print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([{"trial": s.name, "fits": f, "estimate": e.to_dict()} for s, e, f in rows], indent=2))
         return 0
@@ -974,9 +1007,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{first.largest_layer_params / 1e6:.1f}M), seq {first.seq_len}, GiB per device"
     )
     if budget is not None:
-        header += (
-            f"; budget {budget / GIB:.2f} GiB, fits = total + {default_reserve_bytes(first.device) / GIB:.2f} GiB "
-            "CUDA context within budget"
+        reserve = default_reserve_bytes(first.device)
+        header += f"; budget {budget / GIB:.2f} GiB, fits = total" + (
+            f" + {reserve / GIB:.2f} GiB CUDA context within budget (context assumed, not measured: the V100 "
+            "reference's figure after CUDA initialisation, shared/reference/v100-bert-large.md)"
+            if reserve
+            else " within budget"
         )
     print(header)
     print(format_table(rows))

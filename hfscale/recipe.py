@@ -531,7 +531,12 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         RecipeError: when it is not valid YAML or not a valid recipe; the message names the file and key path.
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a folder, not a recipe file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

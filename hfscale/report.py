@@ -605,6 +605,17 @@ def _against(row: TrialRow, base: TrialRow) -> TrialRow:
     return dataclasses.replace(row, speedup_x=speedup, memory_saved_gib=saved, memory_saved_pct=saved_pct)
 
 
+def _outside_allocator_gib(rows: Sequence[TrialRow]) -> float | None:
+    """Largest measured memory outside torch's allocator (NVML process use less reserved peak); None if unmeasured."""
+    gaps = [
+        r.nvml_process_used_gib - r.peak_reserved_gib
+        for r in rows
+        if r.nvml_process_used_gib is not None and r.peak_reserved_gib is not None
+    ]
+    gaps = [g for g in gaps if g >= 0]  # a negative gap means the NVML samples missed the peak: not a measurement
+    return max(gaps) if gaps else None
+
+
 def _recommend(rows: Sequence[TrialRow], budget: int | None, source: str) -> Recommendation:
     ok = [r for r in rows if r.ok and r.samples_per_s is not None and r.peak_gib is not None]
     flagged = [r for r in ok if r.parity_flagged]
@@ -658,10 +669,18 @@ def _recommend(rows: Sequence[TrialRow], budget: int | None, source: str) -> Rec
         )
     )
     if any(r.peak_reserved_gib is not None for r in candidates):
+        outside = _outside_allocator_gib(candidates)
+        context = (
+            f"NVML saw up to {outside:.3f} GiB per process outside it in these trials (NVML process use less "
+            "reserved peak: the CUDA context and libraries)"
+            if outside is not None
+            else "it was not measured here (no NVML reading); the V100 reference saw 1.31 GiB after CUDA "
+            "initialisation alone (shared/reference/v100-bert-large.md), an assumption for other devices"
+        )
         lines.append(
             "Only trials with status ok qualify. A budget is checked against the allocator's reserved peak (what "
-            "the device had to give), max over ranks; leave room for the CUDA context (about 0.3-0.5 GiB per "
-            "process, in no allocator figure)."
+            "the device had to give), max over ranks; leave room for the CUDA context, which is in no allocator "
+            f"figure: {context}."
         )
     else:
         lines.append(

@@ -272,7 +272,7 @@ def estimate_runs(
                 else:
                     by_trial[run.name] = (estimate_memory(spec).to_dict(), None, None)
             except Exception as exc:  # advice only: a model the estimator cannot build must not stop the sweep
-                error = f"{type(exc).__name__}: {exc}"
+                error = _short(f"{type(exc).__name__}: {exc}", 300)  # transformers lists every model type
                 logger.warning("%s: no memory estimate (%s); it will be launched", run.name, error)
                 by_trial[run.name] = (None, error, None)
         estimate, error, oom_reason = by_trial[run.name]
@@ -908,6 +908,9 @@ class SweepOutcome:
     """The rows appended by this call (a resumed sweep's earlier rows are not repeated)."""
     report_paths: list[Path]
     """What :func:`hfscale.report.write_report` wrote, if it ran."""
+    report_error: str | None = None
+    """Why the report at the end was not written (the rows are on disk regardless); None when it was or was not
+    asked for."""
 
 
 def _resolve(recipe: Recipe, settings: SweepSettings) -> list[RecipeTrial]:
@@ -943,21 +946,22 @@ def launch_settings(
 
 def _write_report(
     run_dir: Path, progress: Callable[[str], None], *, memory_budget_bytes: int | None = None
-) -> list[Path]:
+) -> tuple[list[Path], str | None]:
+    """The paths written and None, or no paths and why the report failed."""
     try:
         from hfscale.report import write_report
     except ImportError as exc:
         logger.warning("no report written (%s); run `hfscale report %s` later", exc, run_dir)
-        return []
+        return [], f"ImportError: {exc}"
     try:
         written = write_report(run_dir, memory_budget_bytes=memory_budget_bytes)
     except Exception as exc:  # a report bug must not cost the measurements, which are already on disk
         logger.warning("writing the report failed: %s: %s; run `hfscale report %s`", type(exc).__name__, exc, run_dir)
-        return []
+        return [], f"{type(exc).__name__}: {exc}"
     paths = _paths(written)
     if paths:
         progress(f"report: {', '.join(str(p) for p in paths)}")
-    return paths
+    return paths, None
 
 
 def _paths(value: Any) -> list[Path]:
@@ -1013,7 +1017,10 @@ def run_sweep(
         if recipe_path is not None and Path(recipe_path).read_bytes() != stored.read_bytes():
             raise SweepError(f"{recipe_path} differs from {stored}; resume with the run folder's recipe (omit RECIPE)")
         recipe = load_recipe(stored)
-        environment = json.loads((folder / ENVIRONMENT_FILE).read_text(encoding="utf-8"))
+        try:
+            environment = json.loads((folder / ENVIRONMENT_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SweepError(f"--resume {folder}: cannot read {ENVIRONMENT_FILE} ({exc})") from None
         recorded = SweepSettings.from_dict(environment.get("sweep", {}))
         given = settings or SweepSettings()
         # Counts come from the first run, so an unpinned trial is the same trial; --only may narrow.
@@ -1167,13 +1174,15 @@ def _run_locked(
         rows.append(row)
     progress(f"sweep {recipe.name}: {len(rows)} runs in {_clock(time.monotonic() - start)}; results in {results_path}")
     if record and results_path.exists():
-        _check_parity(results_path.parent, rows, progress)
-    report_paths = (
-        _write_report(folder, progress, memory_budget_bytes=settings.memory_budget_bytes)
-        if (report and record and results_path.exists())
-        else []
-    )
-    return SweepOutcome(run_dir=folder, rows=rows, report_paths=report_paths)
+        try:
+            _check_parity(results_path.parent, rows, progress)
+        except Exception as exc:  # analysis only: the rows are already on disk
+            logger.warning("loss-parity check failed: %s: %s", type(exc).__name__, exc)
+    report_paths: list[Path] = []
+    report_error = None
+    if report and record and results_path.exists():
+        report_paths, report_error = _write_report(folder, progress, memory_budget_bytes=settings.memory_budget_bytes)
+    return SweepOutcome(run_dir=folder, rows=rows, report_paths=report_paths, report_error=report_error)
 
 
 def memory_budget(settings: SweepSettings, environment: Mapping[str, Any]) -> int | None:
@@ -1413,7 +1422,7 @@ def main(argv: list[str] | None = None) -> int:
         # Not restored on an interrupt: the stop signals stay ignored until this process exits (see _interrupt).
         for s, handler in previous.items():
             signal.signal(s, handler)
-    except (RecipeError, SweepError, FileNotFoundError) as exc:
+    except (RecipeError, SweepError, OSError) as exc:
         print(f"hfscale sweep: error: {exc}", file=sys.stderr)
         return 2
     except SweepInterrupted as exc:
@@ -1427,6 +1436,12 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED_EXIT
     failed = [r for r in outcome.rows if r.status != "ok"]
     _print(f"done: {outcome.run_dir} ({len(outcome.rows) - len(failed)} ok, {len(failed)} not ok)")
+    if outcome.report_error is not None:
+        _print(
+            f"the results are kept but no report was written ({outcome.report_error}); "
+            f"run: hfscale report {outcome.run_dir}"
+        )
+        return 1
     return 0
 
 

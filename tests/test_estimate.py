@@ -461,6 +461,33 @@ def test_cli_reports_errors(capsys):
     assert "hfscale estimate:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bert", "--num-gpus", "0"], "argument --num-gpus: expected a positive integer"),
+        (["bert", "--seq-len", "-1"], "argument --seq-len: expected a positive integer"),
+        (["bert", "--config", "hidden_size"], "argument --config: --config expects key=value"),
+        (["bert", "--config", "hidden_size=-5"], "check --config"),
+        (["bert", "--config", "hidden_size=abc"], "check --config"),
+    ],
+)
+def test_cli_rejects_bad_arguments_without_a_traceback(argv, expected, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_cli_header_says_the_cuda_context_is_assumed(capsys):
+    model = ["--config", "hidden_size=64", "--config", "num_hidden_layers=2", "--config", "num_attention_heads=2"]
+    assert main(["bert", *model, "--seq-len", "32", "--memory-budget", "2GiB"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"+ {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context" in header and "assumed, not measured" in header
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: torch's peak against the total
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TINY_GPT2
 from torch.utils.flop_counter import FlopCounterMode
 
 from hfscale.flops import (
@@ -25,14 +26,8 @@ def _small_vocab_gpt2(*, tied: bool):
 
     # A small vocabulary keeps the output head from dominating; eager attention is plain matmuls the counter sees.
     config = GPT2Config(
-        vocab_size=256,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=tied,
+        **TINY_GPT2
+        | {"vocab_size": 256, "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": tied},
         attn_implementation="eager",
     )
     return GPT2LMHeadModel(config)
@@ -137,10 +132,18 @@ def test_compute_dtype_from_arguments():
     assert compute_dtype(SimpleNamespace(bf16=True, fp16=False, tf32=None)) == "bf16"
     assert compute_dtype(SimpleNamespace(bf16=False, fp16=True, tf32=None)) == "fp16"
     assert compute_dtype(SimpleNamespace(bf16=False, fp16=False, tf32=True)) == "tf32"
-    expected = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    if torch.backends.cuda.matmul.allow_tf32:
-        expected = "tf32"
-    assert compute_dtype(SimpleNamespace(bf16=False, fp16=False, tf32=None)) == expected
+    # With tf32 unset, the answer follows torch's global matmul settings: set each one and check both outcomes.
+    plain = SimpleNamespace(bf16=False, fp16=False, tf32=None)
+    precision, allow_tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert compute_dtype(plain) == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert compute_dtype(plain) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
 def test_mfu():

@@ -228,3 +228,14 @@ def test_trials_and_defaults_take_dotted_keys_too(tmp_path):
     z3, offload = (t.spec.strategy for t in load_recipe(write(tmp_path, data)).trials)
     assert (z3.deepspeed.zero_stage, z3.deepspeed.offload_optimizer) == (3, "none")
     assert (offload.deepspeed.zero_stage, offload.deepspeed.offload_optimizer) == (3, "cpu")
+
+
+def test_unreadable_recipe_paths_are_recipe_errors(tmp_path: Path) -> None:
+    folder = tmp_path / "folder.yaml"
+    folder.mkdir()
+    with pytest.raises(RecipeError, match=r"folder\.yaml: is a folder"):
+        load_recipe(folder)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: x\n\xff\xfe\x00")
+    with pytest.raises(RecipeError, match=r"binary\.yaml: not a UTF-8 text file"):
+        load_recipe(binary)

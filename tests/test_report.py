@@ -414,6 +414,23 @@ def test_budget_is_checked_against_the_reserved_peak(tmp_path: Path) -> None:
     assert summary.row("bf16").fits_budget is False
 
 
+def test_cuda_context_room_is_the_measured_nvml_gap_or_labelled_assumed(tmp_path: Path) -> None:
+    rows = constructed_rows()
+    for r in rows:
+        if r.memory and r.memory.get("peak_reserved_gib") is None:
+            r.memory["peak_reserved_gib"] = r.memory["peak_gib"] + 0.25
+    unmeasured = report.load_run(write_run(tmp_path / "a", rows)).recommendation
+    assert any("not measured here" in line and "assumption" in line for line in unmeasured.lines)
+    for k, r in enumerate(rows):
+        if r.memory:
+            r.memory["nvml_process_used_gib"] = r.memory["peak_reserved_gib"] + 0.4 + 0.1 * k
+    summary = report.load_run(write_run(tmp_path / "b", rows))
+    ok = [row for row in summary.rows if row.ok and not row.parity_flagged and row.samples_per_s is not None]
+    measured = max(row.nvml_process_used_gib - row.peak_reserved_gib for row in ok)
+    assert any(f"up to {measured:.3f} GiB per process" in line for line in summary.recommendation.lines)
+    assert not any("0.3-0.5" in line or "not measured here" in line for line in summary.recommendation.lines)
+
+
 def test_default_budget_is_the_gpu_memory_of_the_environment(run: Path) -> None:
     rec = report.load_run(run).recommendation
     assert rec.budget_bytes == int(79.1 * GIB)

@@ -372,3 +372,15 @@ def test_end_to_end_sweep_with_real_failures_interrupt_and_resume(tmp_path):
     assert (run_dir / "recipe.yaml").read_text() == recipe.read_text()
     assert (run_dir / "report.md").exists()
     print(f"\nend-to-end: first sweep {first_s:.1f} s, resume {resume_s:.1f} s")
+
+
+def test_a_failing_report_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hfscale.report
+    from hfscale.sweep import _write_report
+
+    def broken(run_dir: Path, **kwargs: object) -> None:
+        raise ZeroDivisionError("report bug")
+
+    monkeypatch.setattr(hfscale.report, "write_report", broken)
+    paths, error = _write_report(tmp_path, lambda line: None)
+    assert paths == [] and error is not None and "ZeroDivisionError: report bug" in error
