@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from hfscale.trial import TrialSpec
+    from hfscale.spec import TrialSpec
 
 logger = logging.getLogger(__name__)
 

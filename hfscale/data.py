@@ -15,7 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     import datasets
 
-    from hfscale.trial import DataSpec
+    from hfscale.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def make_causal_lm_dataset(
 
 
 def make_dataset(spec: DataSpec, task: DataTask) -> datasets.Dataset:
-    """The data set a trial's :class:`~hfscale.trial.DataSpec` describes, for a model trained on ``task``.
+    """The data set a trial's :class:`~hfscale.spec.DataSpec` describes, for a model trained on ``task``.
 
     Raises:
         ValueError: for an unknown task, or a spec field out of range (named as ``data.FIELD``).

@@ -140,8 +140,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from hfscale.memory import parse_memory_size
+from hfscale.model import build_meta_model
+from hfscale.spec import DataSpec, ModelSpec, TrialSpec
 from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, DeepSpeedSpec, FsdpSpec, Strategy, StrategyError
-from hfscale.trial import DataSpec, ModelSpec, TrialSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -311,37 +312,22 @@ def model_shape_from_module(
 def describe_model(model: ModelSpec, data: DataSpec | None = None) -> ModelShape:
     """Build the model of a :class:`ModelSpec` on the meta device and read its :class:`ModelShape`.
 
-    The config is built as the trial builds it (``hfscale.trial.build_model``): ``AutoConfig.for_model`` with the
+    The config is built as the trial builds it (:func:`hfscale.model.build_config`): ``AutoConfig.for_model`` with the
     overrides, ``num_labels`` from the data for classification; a ``pretrained`` name reads only its config.
 
     Raises:
         ValueError: when transformers does not know the model type or refuses the overrides.
     """
     data = data or DataSpec()
-    key = json.dumps(model.config, sort_keys=True, default=str)
-    return _describe_cached(model.type, model.task, key, model.pretrained, data.num_labels)
+    as_json = functools.partial(json.dumps, sort_keys=True, default=str)
+    return _describe_cached(as_json(dataclasses.asdict(model)), as_json(dataclasses.asdict(data)))
 
 
 @functools.lru_cache(maxsize=32)
-def _describe_cached(
-    model_type: str, task: str, config_json: str, pretrained: str | None, num_labels: int
-) -> ModelShape:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    overrides = json.loads(config_json)
-    if task == "classification":
-        overrides.setdefault("num_labels", num_labels)
-    if pretrained:
-        config = AutoConfig.from_pretrained(pretrained, **overrides)
-    else:
-        config = AutoConfig.for_model(model_type, **overrides)
-    if task == "classification" and getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = getattr(config, "eos_token_id", None) or 0
-    auto_model = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
-    with init_empty_weights():
-        model = auto_model.from_config(config)
-    return model_shape_from_module(model, model_type=config.model_type, task=task)  # type: ignore[arg-type]
+def _describe_cached(model_json: str, data_json: str) -> ModelShape:
+    model = ModelSpec(**json.loads(model_json))
+    meta = build_meta_model(model, DataSpec(**json.loads(data_json)))
+    return model_shape_from_module(meta, model_type=meta.config.model_type, task=model.task)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -586,8 +572,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Predict the peak memory of one process for a trial, or for a model under a strategy.
 
-    Call it with a :class:`~hfscale.trial.TrialSpec` (everything comes from it), or with a model (a
-    :class:`~hfscale.trial.ModelSpec`, a :class:`ModelShape` or a built ``nn.Module``), a strategy and ``seq_len``.
+    Call it with a :class:`~hfscale.spec.TrialSpec` (everything comes from it), or with a model (a
+    :class:`~hfscale.spec.ModelSpec`, a :class:`ModelShape` or a built ``nn.Module``), a strategy and ``seq_len``.
 
     Raises:
         ValueError: when the strategy or the sequence length is missing, or the optimizer is not modelled.

@@ -45,8 +45,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import DeepSpeedSpec, Device, FsdpSpec, Strategy, StrategyError
-from hfscale.trial import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 
 
 class RecipeError(ValueError):
@@ -679,7 +679,7 @@ def _expand_matrix(matrix: Any) -> list[tuple[str, None, dict[str, Any], dict[st
 
 
 def _check_measure(measure: MeasureSpec, path: str) -> None:
-    """Range checks for :class:`~hfscale.trial.MeasureSpec` (the dataclass itself only holds the values)."""
+    """Range checks for :class:`~hfscale.spec.MeasureSpec` (the dataclass itself only holds the values)."""
     if measure.warmup_steps < 0:
         raise _Invalid(_join(path, "warmup_steps"), f"expected 0 or more, got {measure.warmup_steps}")
     if measure.max_steps is not None and measure.max_steps < 1:

@@ -82,8 +82,8 @@ from hfscale.results import (
     append_result,
     read_results,
 )
+from hfscale.spec import TrialSpec
 from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, Strategy
-from hfscale.trial import TrialSpec
 
 logger = logging.getLogger(__name__)
 

@@ -46,95 +46,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from hfscale.strategy import Strategy
+from hfscale.model import build_model
+from hfscale.spec import TrialSpec
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 logger = logging.getLogger(__name__)
-
-Task = Literal["classification", "causal_lm"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """Which model to train: a transformers model type plus config overrides, built with random weights."""
-
-    type: str = "bert"
-    """A transformers ``model_type`` (``bert``, ``gpt2``, ``llama``, ...), as ``AutoConfig.for_model`` takes it."""
-    task: Task = "classification"
-    """Sequence classification head, or causal language modelling."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """Overrides for the model config (``hidden_size``, ``num_hidden_layers``, ...)."""
-    pretrained: str | None = None
-    """A name or local path to load real weights from instead; weights do not change speed or memory."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataSpec:
-    """The dummy data set: random token ids, the seed setup by default (512 sequences of 512 tokens)."""
-
-    num_samples: int = 512
-    seq_len: int = 512
-    token_low: int = 100
-    """Smallest token id (inclusive)."""
-    token_high: int = 30000
-    """Largest token id (exclusive)."""
-    num_labels: int = 2
-    """Classes for classification; ignored for causal LM (labels are the inputs)."""
-    seed: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeasureSpec:
-    """How a trial is measured."""
-
-    warmup_steps: int = 5
-    """Optimizer steps left out of the steady-state figures."""
-    max_steps: int | None = None
-    """Optimizer steps to train; None trains ``num_epochs`` epochs."""
-    num_epochs: float = 1.0
-    repeats: int = 1
-    """Times each trial is run (each in a fresh process)."""
-    timeout_s: float = 1800.0
-    """Wall-clock limit for one trial's whole process group."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrialSpec:
-    """Everything one trial process needs, serialisable as JSON."""
-
-    name: str
-    strategy: Strategy
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    training_args: dict[str, Any] = field(default_factory=dict)
-    """Base ``TrainingArguments`` keywords from the recipe (learning rate, logging, seed, ...); the strategy's
-    own keywords (precision, batch, optimizer, ...) are applied over them."""
-    measure: MeasureSpec = field(default_factory=MeasureSpec)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialSpec:
-        return cls(
-            name=data["name"],
-            strategy=Strategy.from_dict(data["strategy"]),
-            model=ModelSpec(**data.get("model", {})),
-            data=DataSpec(**data.get("data", {})),
-            training_args=dict(data.get("training_args", {})),
-            measure=MeasureSpec(**data.get("measure", {})),
-        )
-
-    def write(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
-
-    @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> TrialSpec:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
 
 # --------------------------------------------------------------------------------------------------------------
 # The result file
@@ -239,39 +158,6 @@ class TrialOutcome:
 # --------------------------------------------------------------------------------------------------------------
 # Building the pieces
 # --------------------------------------------------------------------------------------------------------------
-
-
-def build_model(model: ModelSpec, data: DataSpec) -> PreTrainedModel:
-    """The model a :class:`ModelSpec` describes, with random weights unless ``pretrained`` is set.
-
-    Seed first (:func:`transformers.set_seed`) for the same weights in every trial and on every rank.
-
-    Raises:
-        ValueError: when the data's token ids would not fit the model's vocabulary.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto_model = AutoModelForSequenceClassification if model.task == "classification" else AutoModelForCausalLM
-    overrides = dict(model.config)
-    if model.task == "classification":
-        overrides.setdefault("num_labels", data.num_labels)
-    if model.pretrained:
-        config = AutoConfig.from_pretrained(model.pretrained, **overrides)
-    else:
-        config = AutoConfig.for_model(model.type, **overrides)
-    if model.task == "classification" and getattr(config, "pad_token_id", None) is None:
-        # Decoder classifiers (GPT-2, Llama) pool at the last non-pad token and refuse batches without a pad id.
-        # Dummy data is never padded, so any id outside [token_low, token_high) is safe.
-        config.pad_token_id = getattr(config, "eos_token_id", None) or 0
-    vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None and data.token_high > vocab_size:
-        raise ValueError(
-            f"data.token_high={data.token_high} exceeds the model's vocab_size={vocab_size}: token ids are drawn "
-            f"from [token_low, token_high); lower data.token_high or raise model.config.vocab_size"
-        )
-    if model.pretrained:
-        return auto_model.from_pretrained(model.pretrained, config=config)
-    return auto_model.from_config(config)
 
 
 def strategy_training_args(spec: TrialSpec, *, scratch_dir: str | os.PathLike[str]) -> dict[str, Any]:

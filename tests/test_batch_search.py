@@ -17,8 +17,8 @@ from hfscale.batch_search import (
     suggest_start_batch,
 )
 from hfscale.estimate import estimate_memory
+from hfscale.spec import DataSpec, ModelSpec, TrialSpec
 from hfscale.strategy import Strategy
-from hfscale.trial import DataSpec, ModelSpec, TrialSpec
 
 
 def _scripted(limit: int, *, error_at: int | None = None):

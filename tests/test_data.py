@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hfscale.data import make_causal_lm_dataset, make_classification_dataset, make_dataset
-from hfscale.trial import DataSpec
+from hfscale.spec import DataSpec
 
 
 def test_classification_columns_dtypes_and_ranges():

@@ -30,8 +30,8 @@ from hfscale.estimate import (
     predicted_to_fit,
 )
 from hfscale.memory import parse_memory_size
+from hfscale.spec import DataSpec, ModelSpec, TrialSpec
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
-from hfscale.trial import DataSpec, ModelSpec, TrialSpec
 
 TINY_BERT = dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 

@@ -18,8 +18,9 @@ import pytest
 from conftest import TINY_BERT
 
 from hfscale.configs import launch_command, write_configs
+from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
-from hfscale.trial import DataSpec, MeasureSpec, ModelSpec, TrialOutcome, TrialSpec
+from hfscale.trial import TrialOutcome
 from hfscale.verify import check
 
 STEPS = 4

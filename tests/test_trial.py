@@ -12,16 +12,13 @@ import torch
 from conftest import TINY_BERT, TINY_GPT2
 
 from hfscale.configs import write_configs
+from hfscale.model import build_model
+from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import Strategy
 from hfscale.trial import (
     DEFAULT_SEED,
     RESULT_SCHEMA_VERSION,
-    DataSpec,
-    MeasureSpec,
-    ModelSpec,
     TrialOutcome,
-    TrialSpec,
-    build_model,
     fsdp_block_classes,
     main,
     merge_training_args,

@@ -1,0 +1,101 @@
+"""What a trial is: the model, the data, how it is measured, and the strategy, as plain serialisable dataclasses.
+
+This is the bottom floor of the house. The recipe loader builds these, the sweep writes them to ``trial.json``, the
+trial process reads them back, and the estimate reads them without running anything; none of those needs the code
+that runs a trial to know what a trial is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hfscale.strategy import Strategy
+
+Task = Literal["classification", "causal_lm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which model to train: a transformers model type plus config overrides, built with random weights."""
+
+    type: str = "bert"
+    """A transformers ``model_type`` (``bert``, ``gpt2``, ``llama``, ...), as ``AutoConfig.for_model`` takes it."""
+    task: Task = "classification"
+    """Sequence classification head, or causal language modelling."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Overrides for the model config (``hidden_size``, ``num_hidden_layers``, ...)."""
+    pretrained: str | None = None
+    """A name or local path to load real weights from instead; weights do not change speed or memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """The dummy data set: random token ids, the seed setup by default (512 sequences of 512 tokens)."""
+
+    num_samples: int = 512
+    seq_len: int = 512
+    token_low: int = 100
+    """Smallest token id (inclusive)."""
+    token_high: int = 30000
+    """Largest token id (exclusive)."""
+    num_labels: int = 2
+    """Classes for classification; ignored for causal LM (labels are the inputs)."""
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureSpec:
+    """How a trial is measured."""
+
+    warmup_steps: int = 5
+    """Optimizer steps left out of the steady-state figures."""
+    max_steps: int | None = None
+    """Optimizer steps to train; None trains ``num_epochs`` epochs."""
+    num_epochs: float = 1.0
+    repeats: int = 1
+    """Times each trial is run (each in a fresh process)."""
+    timeout_s: float = 1800.0
+    """Wall-clock limit for one trial's whole process group."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialSpec:
+    """Everything one trial process needs, serialisable as JSON."""
+
+    name: str
+    strategy: Strategy
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    training_args: dict[str, Any] = field(default_factory=dict)
+    """Base ``TrainingArguments`` keywords from the recipe (learning rate, logging, seed, ...); the strategy's
+    own keywords (precision, batch, optimizer, ...) are applied over them."""
+    measure: MeasureSpec = field(default_factory=MeasureSpec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialSpec:
+        return cls(
+            name=data["name"],
+            strategy=Strategy.from_dict(data["strategy"]),
+            model=ModelSpec(**data.get("model", {})),
+            data=DataSpec(**data.get("data", {})),
+            training_args=dict(data.get("training_args", {})),
+            measure=MeasureSpec(**data.get("measure", {})),
+        )
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> TrialSpec:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+__all__ = ["DataSpec", "MeasureSpec", "ModelSpec", "Task", "TrialSpec"]
