@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "MemoryCallback": "hfscale.callbacks",
     "ThroughputCallback": "hfscale.callbacks",
+    "VerificationCallback": "hfscale.callbacks",
     "MemorySummary": "hfscale.callbacks",
     "ThroughputSummary": "hfscale.callbacks",
     "Strategy": "hfscale.strategy",
@@ -21,6 +22,8 @@ _EXPORTS = {
     "StrategyError": "hfscale.strategy",
     "make_classification_dataset": "hfscale.data",
     "make_causal_lm_dataset": "hfscale.data",
+    "load_run": "hfscale.report",
+    "compare_runs": "hfscale.report",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -10,17 +10,24 @@ The walk: probe ``start`` (:func:`suggest_start_batch` predicts it from the memo
 does. Then bisect between the largest size that fitted and the smallest that did not, until they are adjacent (or
 ``multiple_of`` apart). A size is never probed twice. With a start within a factor of two of the limit, that is
 about ``2 + log2(start)`` probes.
+
+For a sweep's trial (``--find-max-batch``), :func:`search_trial` chooses the start, counts the trial's own run as the
+probe at its batch size, sizes each probe (:func:`probe_spec`) and returns the :class:`BatchSearchRecord` its row
+stores; the sweep gives it a callable that launches one probe as its own process group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from hfscale.recipe import RecipeTrial
+    from hfscale.results import TrialResult
     from hfscale.spec import TrialSpec
 
 logger = logging.getLogger(__name__)
@@ -77,12 +84,45 @@ class BatchSearchResult:
                 return probe.outcome.samples_per_s
         return None
 
-    def to_dict(self) -> dict[str, Any]:
-        """As a result row stores it (``row.extra["batch_search"]``)."""
-        data = dataclasses.asdict(self)
-        data["probes"] = [{"batch_size": p.batch_size, **dataclasses.asdict(p.outcome)} for p in self.probes]
-        data["samples_per_s"] = self.samples_per_s
-        return data
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSearchRecord:
+    """What a result row stores of ``--find-max-batch`` for its trial: the search, or why there was none."""
+
+    searched: bool
+    """False when the trial was not searched (see ``reason``)."""
+    reason: str | None = None
+    """Why the trial was not searched (it crashed, timed out, spans several machines, ...)."""
+    result: BatchSearchResult | None = None
+    """The search; None when not searched."""
+    start_from: str | None = None
+    """What chose the first batch size tried: ``the estimate`` or ``the trial's batch size``."""
+    upper_limit: int | None = None
+    """Largest per-device batch the search was allowed to try."""
+    probe_steps: int | None = None
+    """Optimizer steps of each probe after the trial's warm-up steps."""
+    budget_bytes: int | None = None
+    """The memory budget per device the estimate started from; None without one."""
+    trial_run_batch_size: int | None = None
+    """The probe at this batch size is the trial's own run (not launched again)."""
+    same_as: str | None = None
+    """The search was not repeated: this other trial differs only in its batch size and was searched."""
+
+    @staticmethod
+    def migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+        """A schema-1 row's ``extra["batch_search"]`` (the search's fields flat beside the record's, probes flat)
+        as this record's dict."""
+        own = {f.name for f in dataclasses.fields(BatchSearchRecord)} - {"result"}
+        record = {k: v for k, v in data.items() if k in own}
+        if data.get("searched") and "max_batch_size" in data:
+            outcome_keys = {f.name for f in dataclasses.fields(ProbeOutcome)}
+            probes = [
+                {"batch_size": p["batch_size"], "outcome": {k: v for k, v in p.items() if k in outcome_keys}}
+                for p in data.get("probes", [])
+            ]
+            result_keys = {f.name for f in dataclasses.fields(BatchSearchResult)} - {"probes"}
+            record["result"] = {**{k: v for k, v in data.items() if k in result_keys}, "probes": probes}
+        return record
 
 
 def find_max_batch(
@@ -228,29 +268,149 @@ def suggest_start_batch(
     return low
 
 
-OOM_MARKERS: tuple[str, ...] = (
-    "CUDA out of memory",
-    "OutOfMemoryError",
-    "can't allocate memory",
-    "MemoryError",
-    "std::bad_alloc",
-    "Cannot allocate memory",
-)
-"""Substrings of stderr that mean a run ran out of memory (torch CUDA/CPU allocators, Python, C++)."""
+# -- one trial's search, as the sweep runs it ----------------------------------------------------------------------
 
 
-def looks_like_oom(stderr: str) -> bool:
-    """Whether a failed run's stderr says it ran out of memory."""
-    return any(marker in stderr for marker in OOM_MARKERS)
+def probe_spec(spec: TrialSpec, batch_size: int, *, probe_steps: int) -> TrialSpec:
+    """The trial at another per-device batch size, trained for its warm-up steps plus ``probe_steps``.
+
+    The data set holds exactly enough samples for that many full global batches, so that no step trains a smaller
+    remainder batch (a recipe's 128 samples would otherwise cap a probe of 256).
+
+    Raises:
+        StrategyError: when the strategy refuses the batch size.
+    """
+    strategy = spec.strategy.replace(per_device_batch_size=batch_size)
+    max_steps = spec.measure.warmup_steps + probe_steps
+    global_batch = batch_size * strategy.gradient_accumulation_steps * strategy.num_processes
+    return dataclasses.replace(
+        spec,
+        strategy=strategy,
+        data=dataclasses.replace(spec.data, num_samples=global_batch * max_steps),
+        measure=dataclasses.replace(spec.measure, max_steps=max_steps, num_epochs=1.0, repeats=1),
+    )
+
+
+def trial_probe(row: TrialResult) -> ProbeOutcome | None:
+    """The trial's own run as a probe at its batch size: it fitted (ok) or ran out of memory; None otherwise."""
+    if row.status == "ok":
+        return ProbeOutcome(status="fits", samples_per_s=row.samples_per_s, peak_memory_gib=row.peak_gib)
+    if row.status == "oom":
+        return ProbeOutcome(status="oom", reason=f"the trial's own run: {row.reason}")
+    return None
+
+
+def why_not_searched(row: TrialResult, *, predicted_oom: bool) -> str | None:
+    """Why a trial gets no batch search, or None: a trial predicted out of memory (``predicted_oom``), or that ran
+    out of memory, is searched (a smaller batch may fit); one skipped for another reason, or that failed
+    otherwise, is not."""
+    if row.status == "skipped" and not predicted_oom:
+        return f"skipped: {row.reason}"
+    if row.status in ("crashed", "timeout", "not_applied"):
+        return f"the trial ended {row.status}"
+    if row.strategy.num_machines > 1:
+        return "trials on several machines are not searched"
+    return None
+
+
+def search_key(trial: RecipeTrial) -> str:
+    """What decides a trial's largest batch: everything of its spec and launch but its name, its batch size and the
+    data set's length (probes size the data set themselves). Trials with the same key are searched once."""
+    spec = trial.spec
+    strategy = {k: v for k, v in spec.strategy.to_dict().items() if k not in ("name", "per_device_batch_size")}
+    data = {k: v for k, v in dataclasses.asdict(spec.data).items() if k != "num_samples"}
+    key = {
+        "strategy": strategy,
+        "model": dataclasses.asdict(spec.model),
+        "data": data,
+        "training_args": spec.training_args,
+        "warmup_steps": spec.measure.warmup_steps,
+        "timeout_s": spec.measure.timeout_s,
+        "run": dataclasses.asdict(trial.run),
+    }
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def search_trial(
+    spec: TrialSpec,
+    row: TrialResult,
+    launch_probe: Callable[[TrialSpec], ProbeOutcome],
+    *,
+    budget_bytes: int | None,
+    upper_limit: int,
+    probe_steps: int,
+    progress: Callable[[str], None] = logger.info,
+) -> BatchSearchRecord:
+    """Find the largest per-device batch that fits for a trial that has run (``row``, not searched: see
+    :func:`why_not_searched`).
+
+    Each probe is ``launch_probe`` of the trial at another batch size for its warm-up steps plus ``probe_steps``
+    (:func:`probe_spec`; the sweep launches it as its own process group with the trial's limits). The trial's own
+    run counts as the probe at its batch size. The first size is the estimate's largest that fits the budget
+    (:func:`suggest_start_batch`) when there is a budget, else the trial's own; then :func:`find_max_batch`.
+
+    Raises:
+        KeyboardInterrupt: when interrupted; whatever ``launch_probe`` raises.
+    """
+    own_batch = spec.strategy.per_device_batch_size
+    start, start_from = own_batch, "the trial's batch size"
+    if budget_bytes is not None:
+        try:
+            start = suggest_start_batch(spec, budget_bytes, upper_limit=upper_limit)
+            start_from = "the estimate"
+        except Exception as exc:  # the estimate is advice: start from the trial's batch instead
+            logger.warning("%s: no estimated start for the batch search (%s)", spec.name, exc)
+    own = trial_probe(row)
+
+    def probe(batch: int) -> ProbeOutcome:
+        if own is not None and batch == own_batch:
+            return own
+        try:
+            probed = probe_spec(spec, batch, probe_steps=probe_steps)
+        except ValueError as exc:  # StrategyError: the strategy refuses this batch size
+            return ProbeOutcome(status="error", reason=str(exc))
+        progress(f"batch search: probing batch {batch}")
+        return launch_probe(probed)
+
+    def report(p: BatchProbe) -> None:
+        o = p.outcome
+        detail = (
+            f"{o.samples_per_s:.2f} samples/s" if o.samples_per_s is not None else " ".join((o.reason or "").split())
+        )
+        progress(f"batch {p.batch_size}: {o.status}" + (f" ({detail[:100]})" if detail else ""))
+
+    result = find_max_batch(probe, start=start, upper_limit=upper_limit, on_probe=report)
+    found = (
+        f"largest batch that fits: {result.max_batch_size}"
+        + (f" ({result.samples_per_s:.2f} samples/s)" if result.samples_per_s is not None else "")
+        + (f", out of memory at {result.first_oom_batch_size}" if result.first_oom_batch_size else "")
+        + (f" (the upper limit {upper_limit}: may be higher)" if result.reached_upper_limit else "")
+        + (f"; stopped: {result.stopped_reason}" if result.stopped_reason else "")
+    )
+    progress(f"{found} ({len(result.probes)} probes)")
+    reused = own is not None and any(p.batch_size == own_batch for p in result.probes)
+    return BatchSearchRecord(
+        searched=True,
+        result=result,
+        start_from=start_from,
+        upper_limit=upper_limit,
+        probe_steps=probe_steps,
+        budget_bytes=budget_bytes,
+        trial_run_batch_size=own_batch if reused else None,
+    )
 
 
 __all__ = [
-    "OOM_MARKERS",
     "BatchProbe",
+    "BatchSearchRecord",
     "BatchSearchResult",
     "ProbeOutcome",
     "ProbeStatus",
     "find_max_batch",
-    "looks_like_oom",
+    "probe_spec",
+    "search_key",
+    "search_trial",
     "suggest_start_batch",
+    "trial_probe",
+    "why_not_searched",
 ]

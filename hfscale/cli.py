@@ -17,8 +17,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "write accelerate/DeepSpeed/TrainingArguments configs for a strategy",
     ),
+    "recipes": (
+        "hfscale.catalog",
+        "main",
+        "list the recipes that ship with hfscale; 'hfscale recipes show NAME' prints one",
+    ),
     "sweep": (
-        "hfscale.sweep",
+        "hfscale.sweep_cli",
         "main",
         "train a recipe's trials, each in a fresh process, and record results",
     ),

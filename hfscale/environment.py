@@ -31,8 +31,13 @@ PACKAGES: tuple[str, ...] = (
     "bitsandbytes",
     "datasets",
     "nvidia-ml-py",
+    "nvidia-cublas-cu12",
+    "nvidia-cublas",
+    "nvidia-nccl-cu12",
+    "nvidia-nccl-cu13",
 )
-"""Distributions whose versions are recorded (None when not installed)."""
+"""Distributions whose versions are recorded (None when not installed). The cuBLAS and NCCL wheels are the ones a
+pip-installed CUDA torch loads: their versions are the libraries' (torch reports NCCL's itself, not cuBLAS's)."""
 
 ENV_VARS: tuple[str, ...] = (
     "CUDA_VISIBLE_DEVICES",
@@ -42,19 +47,41 @@ ENV_VARS: tuple[str, ...] = (
     "NCCL_P2P_DISABLE",
     "NCCL_IB_DISABLE",
     "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
     "HF_HUB_OFFLINE",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NVIDIA_TF32_OVERRIDE",
 )
 """Environment variables that change what a trial measures, recorded when set."""
+
+ENV_PREFIXES: tuple[str, ...] = ("OMP_", "NCCL_")
+"""Every variable with one of these prefixes is recorded too (thread counts and affinity, NCCL's tuning)."""
 
 _TORCH_PROBE = """
 import json, torch
 out = {"cuda_version": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "gpus": []}
+# What fp32 matmuls run in unless a trial changes it (TrainingArguments.tf32 does): TF32 on Ampere and later.
+out["matmul_precision"] = {
+    "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+    "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+    "cuda_matmul_allow_bf16_reduced_precision_reduction":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    "cuda_matmul_allow_fp16_reduced_precision_reduction":
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+}
 if out["cuda_available"]:
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out["gpus"].append({"index": i, "name": p.name, "memory_total_gib": p.total_memory / 2**30,
+        out["gpus"].append({"index": i, "name": p.name, "memory_total_bytes": p.total_memory,
+                            "memory_total_gib": p.total_memory / 2**30,
                             "compute_capability": f"{p.major}.{p.minor}"})
     out["cudnn_version"] = torch.backends.cudnn.version()
+    try:
+        nccl = torch.cuda.nccl.version()
+        out["nccl_version"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception as exc:
+        out["nccl_version"] = None
 print(json.dumps(out))
 """
 
@@ -90,17 +117,50 @@ def _nvml_gpus() -> dict[str, Any]:
         gpus = []
         for index in visible:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
             gpus.append(
                 {
                     "index": index,
                     "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                    "memory_total_gib": pynvml.nvmlDeviceGetMemoryInfo(handle).total / GIB,
+                    "memory_total_bytes": total,
+                    "memory_total_gib": total / GIB,
+                    **_nvml_device_facts(pynvml, handle),
                 }
             )
         out["gpus"] = gpus
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_read(read: Any, *args: Any) -> Any:
+    """One NVML query, or None where the device or driver does not support it (NVMLError_NotSupported, ...)."""
+    try:
+        return read(*args)
+    except Exception:  # pynvml raises a family of NVMLError subclasses
+        return None
+
+
+def _nvml_device_facts(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """UUID, power limit, clocks, ECC and MIG mode of one GPU: what makes two "H100" rows differ. Each fact is None
+    where NVML cannot read it."""
+    power_mw = _nvml_read(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    ecc = _nvml_read(pynvml.nvmlDeviceGetEccMode, handle)  # (current, pending)
+    mig = _nvml_read(pynvml.nvmlDeviceGetMigMode, handle)  # (current, pending)
+    clocks = {}
+    for label, kind in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM"), ("graphics", "NVML_CLOCK_GRAPHICS")):
+        clock = getattr(pynvml, kind, None)
+        if clock is not None:
+            clocks[f"{label}_mhz"] = _nvml_read(pynvml.nvmlDeviceGetClockInfo, handle, clock)
+            clocks[f"{label}_max_mhz"] = _nvml_read(pynvml.nvmlDeviceGetMaxClockInfo, handle, clock)
+    uuid = _nvml_read(pynvml.nvmlDeviceGetUUID, handle)
+    return {
+        "uuid": _text(uuid) if uuid is not None else None,
+        "power_limit_w": power_mw / 1000 if power_mw is not None else None,
+        "clocks": clocks,
+        "ecc_enabled": bool(ecc[0]) if isinstance(ecc, (tuple, list)) else None,
+        "mig_enabled": bool(mig[0]) if isinstance(mig, (tuple, list)) else None,
+    }
 
 
 def _visible_indices(count: int) -> list[int]:
@@ -206,6 +266,49 @@ def git_commit(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | N
     return {"commit": sha, "dirty": bool(status.strip())}
 
 
+def hfscale_install() -> dict[str, Any]:
+    """hfscale's version and commit, however it is installed: ``version`` from the package metadata (or, run from a
+    source folder without installing, the package's ``__version__``), ``commit`` and ``dirty`` from git when the
+    source folder is a checkout (an editable install or a clone), else None; ``source`` is that folder."""
+    import hfscale
+
+    try:
+        version: str | None = metadata.version("hfscale")
+    except metadata.PackageNotFoundError:
+        version = getattr(hfscale, "__version__", None)
+    source = Path(hfscale.__file__).resolve().parent
+    commit = git_commit(source)
+    return {
+        "version": version,
+        "commit": commit["commit"] if commit else None,
+        "dirty": commit["dirty"] if commit else None,
+        "source": str(source),
+    }
+
+
+def recorded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of :data:`ENV_VARS` and with a prefix of :data:`ENV_PREFIXES` that are set, sorted by name."""
+    environ = dict(os.environ if environ is None else environ)
+    return {k: environ[k] for k in sorted(environ) if k in ENV_VARS or k.startswith(ENV_PREFIXES)}
+
+
+def gpu_memory_bytes(environment: dict[str, Any]) -> int | None:
+    """The memory of one GPU of a run, in bytes, as :func:`collect_environment` recorded it; None without a GPU.
+
+    Reads ``gpus[i].memory_total_bytes`` (written since 0.2), else ``gpus[i].memory_total_gib`` (the committed
+    0.1 records). With several GPUs the smallest, since every rank must fit.
+    """
+    sizes = []
+    for gpu in environment.get("gpus") or []:
+        if not isinstance(gpu, dict):
+            continue
+        if isinstance(gpu.get("memory_total_bytes"), int):
+            sizes.append(gpu["memory_total_bytes"])
+        elif isinstance(gpu.get("memory_total_gib"), int | float):
+            sizes.append(int(gpu["memory_total_gib"] * GIB))
+    return min(sizes) if sizes else None
+
+
 def collect_environment(*, python: str = sys.executable, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record written to ``environment.json``.
 
@@ -218,16 +321,36 @@ def collect_environment(*, python: str = sys.executable, extra: dict[str, Any] |
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "interpreter": {
+            "executable": python,
+            "version": sys.version.split()[0] if python == sys.executable else None,
+            "implementation": platform.python_implementation(),
+        },
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "host_memory_total_gib": _memory_total_gib(),
     }
     record.update(gpu_info(python=python))
     record["packages"] = package_versions()
-    record["git"] = git_commit()
-    record["env"] = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+    install = hfscale_install()
+    record["hfscale"] = install
+    if record["packages"].get("hfscale") is None:
+        record["packages"]["hfscale"] = install["version"]
+    record["git"] = {"commit": install["commit"], "dirty": install["dirty"]} if install["commit"] else None
+    record["env"] = recorded_env()
     record.update(extra or {})
     return record
 
 
-__all__ = ["ENV_VARS", "PACKAGES", "collect_environment", "git_commit", "gpu_info", "package_versions"]
+__all__ = [
+    "ENV_PREFIXES",
+    "ENV_VARS",
+    "PACKAGES",
+    "collect_environment",
+    "git_commit",
+    "gpu_info",
+    "gpu_memory_bytes",
+    "hfscale_install",
+    "package_versions",
+    "recorded_env",
+]

@@ -5,10 +5,12 @@ count as the Chinchilla paper's appendix F without the embedding terms, and torc
 
     flops_per_token = 6 * N + 12 * L * H * T
 
-- ``N``: parameters excluding embeddings (token, position and token-type ``nn.Embedding`` tables; an output head
-  tied to the token embedding is excluded with it, an untied head is counted). Each parameter does one
-  multiply-add per token in the forward pass (2 FLOPs) and two in the backward pass (gradient with respect to the
-  input and to the weight: 4 FLOPs), hence 6.
+- ``N``: parameters that do a matrix multiplication per token: all but the embedding tables (token, position and
+  token-type ``nn.Embedding`` lookups do no arithmetic), plus the output head, tied to the token embedding or not
+  (a tied head is the same tensor as a table, but its matmul with the hidden states is real work: left out, a tied
+  GPT-2's count reads 0.62x of torch's FLOP counter). Each such parameter does one multiply-add per token in the
+  forward pass (2 FLOPs) and two in the backward pass (gradient with respect to the input and to the weight: 4
+  FLOPs), hence 6.
 - ``12 * L * H * T``: attention scores and the weighted sum of values, which have no parameters: per layer ``L``
   and token, ``2 * 2 * H * T`` FLOPs forward (``QK^T`` and ``AV`` over a context of ``T`` tokens, ``H`` the hidden
   size = heads x head dimension), times 3 for forward + backward. Causal masking is not subtracted (as in PaLM).
@@ -98,15 +100,26 @@ def peak_flops_per_s(device_name: str, dtype: ComputeDtype) -> float | None:
     return DEVICE_PEAK_FLOPS[key].get(dtype)
 
 
-def compute_dtype(args: Any) -> ComputeDtype:
-    """The dtype matrix multiplications run in for ``TrainingArguments`` ``args``: bf16, fp16, tf32 or fp32.
+_OBSERVED_DTYPES: dict[str, ComputeDtype] = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def compute_dtype(args: Any, observed: str | None = None) -> ComputeDtype:
+    """The dtype matrix multiplications run in: bf16, fp16, tf32 or fp32.
+
+    Args:
+        args: ``TrainingArguments`` (``bf16``/``fp16``/``tf32``).
+        observed: the dtype a ``nn.Linear`` really produced in the first training forward (``bfloat16``,
+            ``float16``, ``float32``; :class:`hfscale.verify.LinearDtypeProbe`). It wins over the arguments: a model
+            loaded in bf16 without ``args.bf16`` computes in bf16.
 
     fp32 counts as tf32 when torch is allowed to use TF32 for matmuls (``args.tf32`` or
     ``torch.backends.cuda.matmul.allow_tf32``/``torch.get_float32_matmul_precision() != "highest"``).
     """
-    if getattr(args, "bf16", False):
+    if observed in _OBSERVED_DTYPES:
+        return _OBSERVED_DTYPES[observed]
+    if observed is None and getattr(args, "bf16", False):
         return "bf16"
-    if getattr(args, "fp16", False):
+    if observed is None and getattr(args, "fp16", False):
         return "fp16"
     if getattr(args, "tf32", None):
         return "tf32"
@@ -140,6 +153,44 @@ def count_parameters(model: Any, *, exclude_embeddings: bool = True) -> int:
     return sum(_numel(p) for p in model.parameters() if id(p) not in embedding_ids)
 
 
+def matmul_parameters(model: Any) -> int:
+    """``N`` of the FLOPs formula: :func:`count_parameters` without embeddings, plus an output head tied to an
+    embedding table (the same tensor, but a real matmul per token)."""
+    import torch
+
+    count = count_parameters(model)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        embedding_ids = {
+            id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
+        }
+        if id(weight) in embedding_ids:
+            count += _numel(weight)
+    return count
+
+
+def meta_copy(model: Any) -> Any:
+    """The same transformers model on the meta device, built from its config (shapes only, no memory): what to count
+    when the model's own parameters are local shards (FSDP1 keeps views of this rank's shard only).
+
+    Raises:
+        ValueError: when ``model`` (or what it wraps) is not a transformers model with a config.
+    """
+    from accelerate import init_empty_weights
+
+    inner = model
+    for _ in range(8):  # FSDP1 / DDP / compile wrappers keep the model as .module or ._orig_mod
+        if getattr(inner, "config", None) is not None and hasattr(type(inner), "_from_config"):
+            break
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+    if inner is None or getattr(inner, "config", None) is None:
+        raise ValueError(f"{type(model).__name__}: not a transformers model, so it cannot be rebuilt from a config")
+    with init_empty_weights():
+        return type(inner)._from_config(inner.config)
+
+
 def transformer_flops_per_token(
     *, non_embedding_params: int, num_layers: int, hidden_size: int, seq_len: float
 ) -> float:
@@ -159,8 +210,13 @@ def transformer_flops_per_token(
     return 6.0 * non_embedding_params + 12.0 * num_layers * hidden_size * seq_len
 
 
-def model_shape(model: Any) -> tuple[int, int, int]:
-    """(non-embedding parameters N, layers L, hidden size H) of a transformers model, for the FLOPs formula.
+def model_shape(model: Any, *, from_config: bool = False) -> tuple[int, int, int]:
+    """(matmul parameters N, layers L, hidden size H) of a transformers model, for the FLOPs formula.
+
+    Args:
+        model: the model.
+        from_config: count a :func:`meta_copy` of it instead of its own parameters (under FSDP1, whose parameters
+            are this rank's shard only: counting them reads low by about the world size).
 
     Raises:
         ValueError: when the config has no layer count or hidden size (pass ``flops_per_token`` yourself then).
@@ -175,7 +231,7 @@ def model_shape(model: Any) -> tuple[int, int, int]:
             f"model.config: expected num_hidden_layers and hidden_size to count FLOPs, got "
             f"num_hidden_layers={layers!r}, hidden_size={hidden!r}; pass flops_per_token explicitly"
         )
-    return count_parameters(model), layers, hidden
+    return matmul_parameters(meta_copy(model) if from_config else model), layers, hidden
 
 
 def model_flops_per_token(model: Any, seq_len: float) -> float:
@@ -209,6 +265,8 @@ __all__ = [
     "canonical_device",
     "compute_dtype",
     "count_parameters",
+    "matmul_parameters",
+    "meta_copy",
     "mfu",
     "model_flops_per_token",
     "model_shape",

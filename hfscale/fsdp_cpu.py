@@ -1,4 +1,7 @@
-"""FSDP2 on CPU through accelerate: the one adjustment accelerate needs, applied only inside a trial process.
+"""FSDP2 on CPU through accelerate: the one adjustment accelerate needs, applied only in a process that asks.
+
+A trial applies it itself; a user's own script adds :data:`SCRIPT_LINE` before ``TrainingArguments`` (``hfscale
+config`` prints it for an FSDP strategy on CPU).
 
 On a machine without an accelerator, ``accelerate`` (1.10 to at least 1.15) decides the distributed type in
 ``PartialState._prepare_backend``: several CPU processes are ``MULTI_CPU``. ``AcceleratorState.__init__`` only
@@ -22,11 +25,24 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hfscale.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
 _PATCH_MARKER = "_hfscale_fsdp2_on_cpu"
+
+SCRIPT_LINE = "import hfscale.fsdp_cpu; hfscale.fsdp_cpu.enable_fsdp2_on_cpu()"
+"""The line a user's own training script needs, before ``TrainingArguments``, to run an FSDP strategy on CPU
+(``hfscale config`` prints it; no launcher setting can make accelerate take its FSDP path there)."""
+
+
+def needed(strategy: Strategy) -> bool:
+    """Whether ``strategy`` runs FSDP on CPU, where :func:`enable_fsdp2_on_cpu` is needed (with one process too:
+    accelerate launches FSDP through torchrun, so a single CPU process is a ``MULTI_CPU`` world of one)."""
+    return strategy.fsdp is not None and strategy.device == "cpu"
 
 
 def enable_fsdp2_on_cpu() -> None:
@@ -73,4 +89,4 @@ def _switch_multi_cpu_to_fsdp2(state: Any, fsdp_plugin: Any) -> None:
     logger.info("accelerate state switched from MULTI_CPU to FSDP (FSDP2 on a CPU device mesh)")
 
 
-__all__ = ["enable_fsdp2_on_cpu"]
+__all__ = ["SCRIPT_LINE", "enable_fsdp2_on_cpu", "needed"]

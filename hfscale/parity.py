@@ -84,27 +84,33 @@ class ParityResult:
 
     flagged: bool
     """The curve leaves the tolerance band (or is not finite): training probably broke."""
-    reason: str | None
-    """Why it is flagged, or why it could not be compared; None when it passed."""
     compared: bool
-    """False when there was nothing to compare (an empty curve, a baseline without a finite curve)."""
-    max_rel_deviation: float
-    """Largest ``|trial - baseline| / |baseline|`` of the smoothed curves (inf for a non-finite loss)."""
-    worst_step: int | None
+    """False when there was nothing to compare (an empty curve, a baseline without a finite curve, a different
+    global batch, the baseline row itself)."""
+    reason: str | None = None
+    """Why it is flagged, or why it could not be compared; None when it passed."""
+    baseline: str | None = None
+    """The trial compared against."""
+    is_baseline: bool = False
+    """This row is the baseline (the reference, not compared)."""
+    max_rel_deviation: float | None = None
+    """Largest ``|trial - baseline| / |baseline|`` of the smoothed curves (inf for a non-finite loss; stored as
+    null)."""
+    worst_step: int | None = None
     """Optimizer step (1-based) of that deviation."""
-    final_rel_deviation: float
+    final_rel_deviation: float | None = None
     """The same at the last compared step."""
-    steps_compared: int
-    baseline_steps: int
-    trial_steps: int
-    rel_tolerance: float
-    abs_tolerance: float
-    window: int
+    steps_compared: int = 0
+    baseline_steps: int = 0
+    trial_steps: int = 0
+    rel_tolerance: float | None = None
+    abs_tolerance: float | None = None
+    window: int | None = None
     noise_k: float = DEFAULT_NOISE_K
     """The band is at least this many ``noise`` wide."""
     noise: float = 0.0
     """One standard deviation of the difference of two smoothed curves with the baseline's step noise."""
-    mean_rel_deviation: float = 0.0
+    mean_rel_deviation: float | None = 0.0
     """``(mean trial - mean baseline) / |mean baseline|`` over the compared steps (signed)."""
     loss_scale: float = 1.0
     """The trial's curve was divided by this before the comparison (a known logging scale)."""
@@ -113,7 +119,7 @@ class ParityResult:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         for key in ("max_rel_deviation", "final_rel_deviation", "mean_rel_deviation"):
-            if not math.isfinite(data[key]):
+            if data[key] is not None and not math.isfinite(data[key]):
                 data[key] = None  # JSON has no inf
         return data
 
@@ -263,12 +269,8 @@ def check_parity(
 
 
 def _known_scales(row: TrialResult, baseline: TrialResult) -> set[int]:
-    def count(strategy: dict[str, Any], key: str) -> int:
-        value = strategy.get(key, 1)
-        return value if isinstance(value, int) and value > 0 else 1
-
-    acc = count(row.strategy, "gradient_accumulation_steps") / count(baseline.strategy, "gradient_accumulation_steps")
-    procs = count(row.strategy, "num_processes") / count(baseline.strategy, "num_processes")
+    acc = row.strategy.gradient_accumulation_steps / baseline.strategy.gradient_accumulation_steps
+    procs = row.strategy.num_processes / baseline.strategy.num_processes
     scales = {acc, procs, acc * procs}
     return {round(s) for s in scales if s >= 2 and abs(s - round(s)) < 1e-9}
 
@@ -301,7 +303,7 @@ def annotate_rows(
     window: int = DEFAULT_WINDOW,
     noise_k: float = DEFAULT_NOISE_K,
 ) -> None:
-    """Store ``row.extra["parity"]`` (a :meth:`ParityResult.to_dict` plus ``baseline``) on every ``ok`` row.
+    """Set ``row.parity`` on every ``ok`` row.
 
     The baseline is the row with ``is_baseline`` (else the first ``ok`` row); it is annotated as the reference.
     Rows whose global batch differs from the baseline's are not compared (their curves are not step-for-step
@@ -315,28 +317,28 @@ def annotate_rows(
         baseline = next((r for r in rows if r.is_baseline), None)
         if baseline is not None:
             for row in ok:
-                row.extra["parity"] = {
-                    "compared": False,
-                    "flagged": False,
-                    "baseline": baseline.trial,
-                    "reason": f"the baseline {baseline.trial!r} did not finish ({baseline.status})",
-                }
+                row.parity = ParityResult(
+                    compared=False,
+                    flagged=False,
+                    baseline=baseline.trial,
+                    reason=f"the baseline {baseline.trial!r} did not finish ({baseline.status})",
+                )
             return
         baseline = ok[0]
-    base_batch = _global_batch(baseline.strategy)
+    base_batch = baseline.strategy.global_batch_size
     for row in ok:
         if row is baseline:
-            row.extra["parity"] = {"compared": False, "flagged": False, "baseline": row.trial, "is_baseline": True}
+            row.parity = ParityResult(compared=False, flagged=False, baseline=row.trial, is_baseline=True)
             continue
-        batch = _global_batch(row.strategy)
-        if base_batch is not None and batch is not None and batch != base_batch:
-            row.extra["parity"] = {
-                "compared": False,
-                "flagged": False,
-                "baseline": baseline.trial,
-                "reason": f"global batch {batch} differs from the baseline's {base_batch}: curves are not "
+        batch = row.strategy.global_batch_size
+        if batch != base_batch:
+            row.parity = ParityResult(
+                compared=False,
+                flagged=False,
+                baseline=baseline.trial,
+                reason=f"global batch {batch} differs from the baseline's {base_batch}: curves are not "
                 "comparable step by step",
-            }
+            )
             continue
         scale = _logging_scale(row, baseline)
         result = check_parity(
@@ -357,18 +359,7 @@ def annotate_rows(
             result = dataclasses.replace(result, note=f"{note}; {result.note}" if result.note else note)
         if result.flagged:
             logger.warning("trial %s: loss diverges from baseline %s: %s", row.trial, baseline.trial, result.reason)
-        row.extra["parity"] = {**result.to_dict(), "baseline": baseline.trial}
-
-
-def _global_batch(strategy: dict[str, Any]) -> int | None:
-    try:
-        return (
-            int(strategy.get("per_device_batch_size", 8))
-            * int(strategy.get("gradient_accumulation_steps", 1))
-            * int(strategy.get("num_processes", 1))
-        )
-    except (TypeError, ValueError):
-        return None
+        row.parity = dataclasses.replace(result, baseline=baseline.trial)
 
 
 __all__ = [

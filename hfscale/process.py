@@ -6,7 +6,7 @@ are started as a new session (``start_new_session=True``), so that the whole gro
 the group itself. After the launcher exits, anything left in its group is killed too: nothing of one trial's
 memory survives into the next.
 
-What a failed group means is decided by :func:`classify` from the exit status and the tail of its stderr.
+What a failed group means is decided in :mod:`hfscale.failures`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import resource
+import select
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +55,14 @@ LAUNCHER_ENV_PREFIXES: tuple[str, ...] = ("ACCELERATE_", "FSDP_", "MEGATRON_LM_"
 
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a group is ended (torchrun forwards SIGTERM to its workers)."""
+
+DRIVER_PID_ENV = "HFSCALE_DRIVER_PID"
+"""Set in every group's environment: the pid of the process that started it (the sweep's driver), which the
+trial's watchdog (:func:`watch_driver`) watches."""
+PID_FILE_ENV = "HFSCALE_PID_FILE"
+"""Set in a group's environment when it has a pid file: the file's absolute path. A later sweep that finds the pid
+file checks it in ``/proc/PID/environ`` before ending that group (:func:`end_orphaned_group`), so a reused pid is
+never signalled."""
 
 
 def clean_environment(base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -186,12 +196,13 @@ def run_process_group(
     on_tick: Callable[[float], None] | None = None,
     tick_s: float = 30.0,
     kill_grace_s: float = KILL_GRACE_S,
+    on_start: Callable[[int], None] | None = None,
 ) -> ProcessOutcome:
     """Run ``argv`` as a new session and wait for it; stdout/stderr go to the two files.
 
     Args:
         argv: the command (no shell).
-        env: its whole environment.
+        env: its whole environment; :data:`DRIVER_PID_ENV` (this process) and :data:`PID_FILE_ENV` are added.
         stdout_path: file for its stdout (created or truncated).
         stderr_path: file for its stderr.
         cwd: working directory.
@@ -200,16 +211,21 @@ def run_process_group(
         pid_file: where to write the launcher's pid (= the group id) once started; removed when it ends.
         on_tick: called every ``tick_s`` seconds with the elapsed time, for progress.
         kill_grace_s: seconds between SIGTERM and SIGKILL.
+        on_start: called with the group's id (the launcher's pid) once it is started (e.g. to watch the machine
+            from outside the group).
 
     Raises:
         KeyboardInterrupt: after ending the group, when the sweep was interrupted while waiting.
         OSError: when the command cannot be started.
     """
     start = time.monotonic()
+    env = {**env, DRIVER_PID_ENV: str(os.getpid())}
+    if pid_file is not None:
+        env[PID_FILE_ENV] = str(Path(pid_file).resolve())
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         proc = subprocess.Popen(
             list(argv),
-            env=dict(env),
+            env=env,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -221,6 +237,8 @@ def run_process_group(
         tmp = Path(f"{pid_file}.tmp")
         tmp.write_text(f"{proc.pid}\n", encoding="utf-8")
         os.replace(tmp, pid_file)
+    if on_start is not None:
+        on_start(proc.pid)
     timed_out = False
     next_tick = start + tick_s
     try:
@@ -249,6 +267,121 @@ def run_process_group(
     return ProcessOutcome(returncode=int(proc.returncode), timed_out=timed_out, wall_time_s=wall, pid=proc.pid)
 
 
+# -- a group must not outlive its driver -------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
+def _wait_for_death(pid: int, poll_s: float) -> None:
+    """Return once ``pid`` has exited: through a pidfd (Linux 5.3+: readable on exit, immune to pid reuse), else
+    by polling every ``poll_s`` seconds."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (OSError, AttributeError):
+        while _alive(pid):
+            time.sleep(poll_s)
+        return
+    try:
+        select.select([pidfd], [], [])
+    finally:
+        os.close(pidfd)
+
+
+def _end_own_group(driver: int, poll_s: float) -> None:
+    _wait_for_death(driver, poll_s)
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(
+            f"hfscale: the sweep's driver (pid {driver}) is gone; ending this trial's process group {os.getpgrp()}\n"
+        )
+        sys.stderr.flush()
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def watch_driver(*, env: Mapping[str, str] | None = None, poll_s: float = 1.0) -> threading.Thread | None:
+    """In a process of a trial's group: SIGKILL the whole group (launcher and every worker) as soon as the driver
+    that started it (:data:`DRIVER_PID_ENV`) is gone, however it went (SIGKILL, the OOM killer, a lost node agent).
+
+    Without it a trial outlives a killed sweep (it runs in its own session) and a ``--resume`` started meanwhile
+    measures next to it. A parent-death signal would not do: it reaches only the launcher, not the workers the
+    launcher started. A daemon thread, blocked on a pidfd (no polling where the kernel has them).
+
+    Returns the thread, or None when there is no driver to watch (run by hand, or in the driver's own group,
+    which it must never kill).
+    """
+    value = (os.environ if env is None else env).get(DRIVER_PID_ENV)
+    if not value:
+        return None
+    try:
+        driver = int(value)
+    except ValueError:
+        logger.warning("%s=%r is not a pid; the trial will not stop with its driver", DRIVER_PID_ENV, value)
+        return None
+    with contextlib.suppress(OSError):
+        if driver == os.getpid() or os.getpgid(driver) == os.getpgrp():
+            return None
+    thread = threading.Thread(target=_end_own_group, args=(driver, poll_s), name="hfscale-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def end_orphaned_group(pid_file: str | os.PathLike[str], *, grace_s: float = KILL_GRACE_S) -> int | None:
+    """End the process group that an earlier :func:`run_process_group` recorded in ``pid_file`` and that still
+    runs (its driver was killed before it could end it), then remove the pid file.
+
+    Only a group whose processes carry ``pid_file`` in their environment (:data:`PID_FILE_ENV`) is signalled: a
+    pid the kernel has given to something else since is left alone. SIGTERM to the group, SIGKILL after
+    ``grace_s``, then waits (10 s at most) until none of it runs.
+
+    Returns the group's id when it was running, else None.
+    """
+    path = Path(pid_file)
+    try:
+        pgid = int(path.read_text(encoding="utf-8").split()[0])
+    except (OSError, ValueError, IndexError):
+        path.unlink(missing_ok=True)
+        return None
+    tag = str(path.resolve())
+    ours = [pid for pid in group_members(pgid) if _environ_of(pid).get(PID_FILE_ENV) == tag]
+    if not ours:
+        path.unlink(missing_ok=True)
+        return None
+    logger.info("process group %d (from %s) still runs; ending it", pgid, path)
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10.0
+    while group_members(pgid) and time.monotonic() < deadline:
+        _signal_group(pgid, signal.SIGKILL)
+        time.sleep(0.05)
+    path.unlink(missing_ok=True)
+    return pgid
+
+
 def tail(path: str | os.PathLike[str], *, max_lines: int = 40, max_bytes: int = 16384) -> str:
     """The last lines of a text file (at most ``max_bytes`` read), or '' when it is missing."""
     try:
@@ -265,133 +398,17 @@ def tail(path: str | os.PathLike[str], *, max_lines: int = 40, max_bytes: int = 
     return "\n".join(lines[-max_lines:])
 
 
-# -- what a failure was ------------------------------------------------------------------------------------------
-
-_OOM_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"CUDA out of memory|torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError"), "CUDA out of memory"),
-    (re.compile(r"CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation"), "CUDA out of memory"),
-    (re.compile(r"can't allocate memory|Cannot allocate memory|\[Errno 12\]|ENOMEM"), "host out of memory"),
-    (re.compile(r"\bMemoryError\b|std::bad_alloc"), "host out of memory"),
-    (re.compile(r"failed to map segment from shared object"), "host out of memory (mapping a library failed)"),
-    (re.compile(r"[Oo]ut of memory"), "out of memory"),
-)
-_SIGNAL_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(r"Signal \d+ \((SIG[A-Z]+)\) received by PID"),  # torchrun's ChildFailedError
-    re.compile(r"died with <Signals\.(SIG[A-Z]+)"),  # accelerate's single-process launcher (CalledProcessError)
-    re.compile(r"exitcode\s*:\s*-(\d+)"),  # torchrun's failure table
-)
-_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?\s.*")
-_LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "torch.distributed.elastic")
-
-
-def stderr_excerpt(text: str, *, max_lines: int = 40, context_lines: int = 15) -> str:
-    """The last ``max_lines`` of ``text``; when the last ``SomeError:`` line is further up (torchrun prints its
-    failure table after the workers' tracebacks), the ``context_lines`` ending at it come first, then ``...``."""
-    lines = text.splitlines()
-    last = lines[-max_lines:]
-    error = last_error_line(text)
-    if error is None or any(error in line for line in last):
-        return "\n".join(last)
-    at = max(i for i, line in enumerate(lines) if error in line)
-    return "\n".join([*lines[max(0, at - context_lines + 1) : at + 1], "...", *last])
-
-
-def last_error_line(stderr_tail: str) -> str | None:
-    """The last ``SomeError: message`` line of a traceback in ``stderr_tail``, or None."""
-    found = None
-    for line in stderr_tail.splitlines():
-        stripped = line.strip()
-        # torchrun prefixes each worker's lines with "[rank0]: "
-        stripped = re.sub(r"^\[(rank|default)\d+\]:\s*", "", stripped)
-        if _ERROR_LINE.match(stripped) and not stripped.startswith(_LAUNCHER_ERRORS):
-            found = stripped
-    return found
-
-
-def oom_killed_count() -> int | None:
-    """The kernel's OOM-kill count for this cgroup (cgroup v2 ``memory.events``), or None where unreadable."""
-    for path in ("/sys/fs/cgroup/memory.events",):
-        try:
-            for line in Path(path).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Classification:
-    """A failed group, in the sweep's terms."""
-
-    status: str
-    """``oom``, ``crashed`` or ``timeout``."""
-    reason: str
-    """One sentence a user can act on."""
-
-
-def classify(
-    outcome: ProcessOutcome,
-    stderr_tail: str,
-    *,
-    timeout_s: float | None = None,
-    memory_limit_bytes: int | None = None,
-    oom_kills_before: int | None = None,
-) -> Classification:
-    """Why a group that wrote no result failed: timeout, out of memory (device or host), or a crash.
-
-    Out of memory is read from stderr (CUDA OOM, ``MemoryError``, "can't allocate memory", ...), or from a SIGKILL
-    while the cgroup's OOM-kill count rose (``oom_kills_before``: :func:`oom_killed_count` before the start).
-    """
-    if outcome.timed_out:
-        limit = f"{timeout_s:g} s" if timeout_s is not None else "its time limit"
-        return Classification(status="timeout", reason=f"still running after {limit} (measure.timeout_s); killed")
-    error_line = last_error_line(stderr_tail)
-    for pattern, what in _OOM_PATTERNS:
-        if pattern.search(stderr_tail):
-            limit = f" (memory limit {memory_limit_bytes / GIB:g} GiB per process)" if memory_limit_bytes else ""
-            detail = f": {error_line}" if error_line else ""
-            return Classification(status="oom", reason=f"{what}{limit}{detail}")
-    signal_name = outcome.signal_name
-    if signal_name is None:
-        for pattern in _SIGNAL_PATTERNS:
-            match = pattern.search(stderr_tail)
-            if match:
-                value = match.group(1)
-                signal_name = value if value.startswith("SIG") else _signal_name(int(value))
-                break
-    if signal_name == "SIGKILL" and oom_kills_before is not None:
-        after = oom_killed_count()
-        if after is not None and after > oom_kills_before:
-            return Classification(status="oom", reason="killed by the kernel's OOM killer (SIGKILL, memory.events)")
-    if signal_name is not None:
-        who = "the launcher" if outcome.signal_name else "a process of the trial"
-        detail = f"; last error: {error_line}" if error_line else ""
-        return Classification(status="crashed", reason=f"{who} was killed by {signal_name}{detail}")
-    detail = f": {error_line}" if error_line else " (see stderr.log)"
-    return Classification(status="crashed", reason=f"exit code {outcome.returncode}{detail}")
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 __all__ = [
+    "DRIVER_PID_ENV",
     "LAUNCHER_ENV_PREFIXES",
     "LAUNCHER_ENV_VARS",
-    "Classification",
+    "PID_FILE_ENV",
     "ProcessOutcome",
-    "classify",
     "clean_environment",
+    "end_orphaned_group",
     "free_port",
     "group_members",
-    "last_error_line",
-    "oom_killed_count",
     "run_process_group",
-    "stderr_excerpt",
     "tail",
+    "watch_driver",
 ]

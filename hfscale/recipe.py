@@ -36,47 +36,27 @@ import dataclasses
 import difflib
 import itertools
 import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
 import yaml
 
+from hfscale.catalog import resolve_recipe
+from hfscale.recipe_checks import (
+    OWNED_TRAINING_ARGS,
+    REFUSED_TRAINING_ARGS,
+    check_folder_name,
+    check_measure,
+    check_model,
+    check_training_args,
+)
 from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import DeepSpeedSpec, Device, FsdpSpec, Strategy, StrategyError
+from hfscale.validation import Invalid, build, convert, field_types, join_path, reject_unknown, show_value
 
 
 class RecipeError(ValueError):
     """A recipe that cannot be run as written; the message starts with the file and the dotted key path."""
-
-
-# TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
-# them (they would be silently overridden), and the message says where they belong instead.
-OWNED_TRAINING_ARGS: dict[str, str] = {
-    "per_device_train_batch_size": "the strategy's per_device_batch_size",
-    "gradient_accumulation_steps": "the strategy's gradient_accumulation_steps",
-    "fp16": "the strategy's precision (fp32, fp16 or bf16)",
-    "bf16": "the strategy's precision (fp32, fp16 or bf16)",
-    "half_precision_backend": "the strategy's precision",
-    "optim": "the strategy's optimizer",
-    "gradient_checkpointing": "the strategy's gradient_checkpointing",
-    "gradient_checkpointing_kwargs": "the strategy's gradient_checkpointing",
-    "activation_checkpointing": "the strategy's gradient_checkpointing",
-    "activation_checkpointing_kwargs": "the strategy's gradient_checkpointing",
-    "deepspeed": "the strategy's deepspeed section",
-    "fsdp": "the strategy's fsdp section",
-    "fsdp_config": "the strategy's fsdp section",
-    "use_cpu": "the recipe's device",
-    "no_cuda": "the recipe's device",
-    "local_rank": "the launcher",
-    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
-    "max_steps": "the recipe's measure.max_steps",
-    "num_train_epochs": "the recipe's measure.num_epochs",
-    "output_dir": "the sweep (each trial writes into its own folder)",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,191 +170,6 @@ class Recipe:
         return [t.spec for t in self.resolve(num_processes=num_processes, num_machines=num_machines)]
 
 
-# -- YAML --------------------------------------------------------------------------------------------------------
-
-
-_FLOAT_TEXT = re.compile(r"^[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _float_text(value: Any) -> float | None:
-    """``5e-5`` written in YAML: PyYAML (YAML 1.1) reads it as a string, so float fields take it as a number."""
-    if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-        return float(value.replace("_", ""))
-    return None
-
-
-# -- the loader: walk data against dataclass fields -----------------------------------------------------------
-
-
-class _Invalid(Exception):
-    """A value that does not fit its field; carries the dotted path relative to where the walk started."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(message)
-        self.path = path
-        self.message = message
-
-
-def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
-
-
-def _describe(tp: Any) -> str:
-    origin = get_origin(tp)
-    if tp is Any:
-        return "anything"
-    if origin is Literal:
-        return "one of " + ", ".join(_show(a) for a in get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
-    if tp is type(None):
-        return "null"
-    if tp is bool:
-        return "true or false"
-    if tp is int:
-        return "an integer"
-    if tp is float:
-        return "a number"
-    if tp is str:
-        return "a string"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    if origin in (list, tuple) or tp in (list, tuple):
-        return "a list"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it in YAML."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return str(value)
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """``value`` checked (and, for nested dataclasses, built) as type ``tp``; raises :class:`_Invalid`."""
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        choices = get_args(tp)
-        # `True == 1` in Python: compare types too, so `zero_stage: true` is not stage 1.
-        if not any(value == c and type(value) is type(c) for c in choices):
-            raise _Invalid(path, f"expected {_describe(tp)}, got {_show(value)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        members = get_args(tp)
-        if value is None:
-            if type(None) in members:
-                return None
-            raise _Invalid(path, f"expected {_describe(tp)}, got null")
-        errors = []
-        for member in members:
-            if member is type(None):
-                continue
-            try:
-                return _convert(member, value, path)
-            except _Invalid as exc:
-                errors.append(exc)
-        # One non-null member (the usual `X | None`): its own message is the most precise.
-        if len(errors) == 1:
-            raise errors[0]
-        raise _Invalid(path, f"expected {_describe(tp)}, got {_show(value)}")
-    if tp is type(None):
-        if value is not None:
-            raise _Invalid(path, f"expected null, got {_show(value)}")
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _Invalid(path, f"expected true or false, got {_show(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Invalid(path, f"expected an integer, got {_show(value)}")
-        return value
-    if tp is float:
-        if (number := _float_text(value)) is not None:
-            return number
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _Invalid(path, f"expected a number, got {_show(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _Invalid(path, f"expected a string, got {_show(value)}")
-        return value
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _Invalid(path, f"expected a mapping, got {_show(value)}")
-        key_tp, val_tp = get_args(tp) or (str, Any)
-        out = {}
-        for k, v in value.items():
-            if key_tp is str and not isinstance(k, str):
-                raise _Invalid(_join(path, str(k)), f"keys must be strings, got {_show(k)}")
-            out[k] = _convert(val_tp, v, _join(path, str(k)))
-        return out
-    if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, list):
-            raise _Invalid(path, f"expected a list, got {_show(value)}")
-        (item_tp, *_) = get_args(tp) or (Any,)
-        items = [_convert(item_tp, v, _join(path, i)) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple or tp is tuple else items
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    raise TypeError(f"recipe loader: unsupported field type {tp!r} at {path}")  # a bug in hfscale, not the recipe
-
-
-def _reject_unknown(data: dict[str, Any], known: typing.Iterable[str], path: str) -> None:
-    known = list(known)
-    for key in data:
-        if not isinstance(key, str) or key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise _Invalid(
-                _join(path, str(key)),
-                f"unknown key{hint}; valid keys here are {', '.join(sorted(known))}",
-            )
-
-
-def _build(cls: type, data: Any, path: str, **extra: Any) -> Any:
-    """An instance of dataclass ``cls`` from a mapping: unknown keys rejected, each field converted by its type,
-    and the class's own validation (``__post_init__``) reported at ``path``."""
-    if not isinstance(data, dict):
-        raise _Invalid(path, f"expected a mapping, got {_show(data)}")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    _reject_unknown(data, [n for n in fields if n not in extra], path)
-    kwargs = dict(extra)
-    for key, value in data.items():
-        kwargs[key] = _convert(hints[key], value, _join(path, key))
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise _Invalid(path, f"missing required key(s) {', '.join(missing)}")
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:  # StrategyError included: the dataclass's own cross-field checks
-        raise _Invalid(path, str(exc)) from exc
-
-
 # -- trials, defaults and the matrix --------------------------------------------------------------------------
 
 _STRATEGY_FIELDS = [f.name for f in dataclasses.fields(Strategy)]
@@ -405,34 +200,34 @@ def _strategy_field_type(dotted: str, path: str, *, also_valid: tuple[str, ...] 
         valid += [f"{n}.{f.name}" for n, c in _NESTED.items() for f in dataclasses.fields(c)]
         close = difflib.get_close_matches(dotted, valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise _Invalid(path, f"unknown key{hint}; valid keys here are {', '.join(sorted(valid))}")
+        raise Invalid(path, f"unknown key{hint}; valid keys here are {', '.join(sorted(valid))}")
     if not tail:
-        return _hints(Strategy)[head]
+        return field_types(Strategy)[head]
     if head not in _NESTED:
-        raise _Invalid(path, f"{head!r} has no fields; use `{head}: [...]`")
-    nested = _hints(_NESTED[head])
+        raise Invalid(path, f"{head!r} has no fields; use `{head}: [...]`")
+    nested = field_types(_NESTED[head])
     if tail not in nested:
         close = difflib.get_close_matches(tail, list(nested), n=1)
         hint = f" (did you mean {head}.{close[0]}?)" if close else ""
-        raise _Invalid(path, f"unknown key{hint}; valid keys of {head} are {', '.join(sorted(nested))}")
+        raise Invalid(path, f"unknown key{hint}; valid keys of {head} are {', '.join(sorted(nested))}")
     return nested[tail]
 
 
 def _check_partial_strategy(data: dict[str, Any], path: str, *, also_valid: tuple[str, ...] = ()) -> None:
     """Type-check Strategy fields given on their own (defaults, a trial before merging); nested sections partially."""
     for key, value in data.items():
-        key_path = _join(path, key)
+        key_path = join_path(path, key)
         if key == "device":
-            raise _Invalid(key_path, "the device is set once, at the top of the recipe (`device: cuda|cpu`)")
+            raise Invalid(key_path, "the device is set once, at the top of the recipe (`device: cuda|cpu`)")
         if key == "name":
-            raise _Invalid(key_path, "each trial has its own name; set it in the trial")
+            raise Invalid(key_path, "each trial has its own name; set it in the trial")
         if key in _NESTED and isinstance(value, dict):
-            nested_hints = _hints(_NESTED[key])
-            _reject_unknown(value, nested_hints, key_path)
+            nested_hints = field_types(_NESTED[key])
+            reject_unknown(value, nested_hints, key_path)
             for sub, sub_value in value.items():
-                _convert(nested_hints[sub], sub_value, _join(key_path, sub))
+                convert(nested_hints[sub], sub_value, join_path(key_path, sub))
             continue
-        _convert(_strategy_field_type(key, key_path, also_valid=also_valid), value, key_path)
+        convert(_strategy_field_type(key, key_path, also_valid=also_valid), value, key_path)
 
 
 def _undot(data: dict[str, Any]) -> dict[str, Any]:
@@ -518,19 +313,19 @@ def parse_recipe(data: Any, *, source: str = "<recipe>", default_name: str = "re
     """
     try:
         return _parse(data, default_name=default_name, source=source)
-    except _Invalid as exc:
+    except Invalid as exc:
         where = f"{source}: {exc.path}: " if exc.path else f"{source}: "
         raise RecipeError(where + exc.message) from None
 
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
-    """Load and validate a recipe file.
+    """Load and validate a recipe file, or a shipped recipe by name (``cpu_small``; ``hfscale recipes`` lists them).
 
     Raises:
-        FileNotFoundError: when the file does not exist.
+        FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
         RecipeError: when it is not valid YAML or not a valid recipe; the message names the file and key path.
     """
-    path = Path(path)
+    path = resolve_recipe(path)
     if path.is_dir():
         raise RecipeError(f"{path}: is a folder, not a recipe file")
     try:
@@ -546,24 +341,26 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
 
 def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     if not isinstance(data, dict):
-        raise _Invalid("", f"expected a mapping at the top level, got {_show(data)}")
-    _reject_unknown(data, _TOP_KEYS, "")
-    name = _convert(str, data.get("name", default_name), "name")
-    description = _convert(str, data.get("description", ""), "description")
-    device = _convert(_hints(Recipe)["device"], data.get("device", "cuda"), "device")
-    model = _build(ModelSpec, data.get("model") or {}, "model")
-    data_spec = _build(DataSpec, data.get("data") or {}, "data")
+        raise Invalid("", f"expected a mapping at the top level, got {show_value(data)}")
+    reject_unknown(data, _TOP_KEYS, "")
+    name = convert(str, data.get("name", default_name), "name")
+    check_folder_name(name, "name")
+    description = convert(str, data.get("description", ""), "description")
+    device = convert(field_types(Recipe)["device"], data.get("device", "cuda"), "device")
+    model = build(ModelSpec, data.get("model") or {}, "model")
+    data_spec = build(DataSpec, data.get("data") or {}, "data")
+    check_model(model, data_spec)
     measure_raw = data.get("measure") or {}
-    measure = _build(MeasureSpec, measure_raw, "measure")
-    _check_measure(measure, "measure")
+    measure = build(MeasureSpec, measure_raw, "measure")
+    check_measure(measure, "measure")
     run_raw = data.get("run") or {}
-    run = _build(RunSpec, run_raw, "run")
-    training_args = _convert(dict[str, Any], data.get("training_args") or {}, "training_args")
-    training_args = _check_training_args(training_args)
+    run = build(RunSpec, run_raw, "run")
+    training_args = convert(dict[str, Any], data.get("training_args") or {}, "training_args")
+    training_args = check_training_args(training_args)
 
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
-        raise _Invalid("defaults", f"expected a mapping of strategy fields, got {_show(defaults)}")
+        raise Invalid("defaults", f"expected a mapping of strategy fields, got {show_value(defaults)}")
     _check_partial_strategy(defaults, "defaults")
     defaults = _undot(defaults)
 
@@ -572,23 +369,23 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     trial_training_args: dict[str, dict[str, Any]] = {}  # per-trial `training_args:` overrides, by source path
     raw_trials = data.get("trials") or []
     if not isinstance(raw_trials, list):
-        raise _Invalid("trials", f"expected a list of trials, got {_show(raw_trials)}")
+        raise Invalid("trials", f"expected a list of trials, got {show_value(raw_trials)}")
     for i, raw in enumerate(raw_trials):
-        path = _join("trials", i)
+        path = join_path("trials", i)
         if not isinstance(raw, dict):
-            raise _Invalid(path, f"expected a mapping of strategy fields, got {_show(raw)}")
+            raise Invalid(path, f"expected a mapping of strategy fields, got {show_value(raw)}")
         raw = dict(raw)
         trial_name = raw.pop("name", None)
         if trial_name is not None:
-            _convert(str, trial_name, _join(path, "name"))
+            convert(str, trial_name, join_path(path, "name"))
         measure_over = raw.pop("measure", None) or {}
         run_over = raw.pop("run", None) or {}
         args_over = raw.pop("training_args", None) or {}
         for key, over in (("measure", measure_over), ("run", run_over), ("training_args", args_over)):
             if not isinstance(over, dict):
-                raise _Invalid(_join(path, key), f"expected a mapping, got {_show(over)}")
+                raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
         if args_over:
-            trial_training_args[path] = _check_training_args(args_over, _join(path, "training_args"))
+            trial_training_args[path] = check_training_args(args_over, join_path(path, "training_args"))
         _check_partial_strategy(raw, path, also_valid=("name", *_TRIAL_EXTRAS))
         entries.append((path, trial_name, _undot(raw), measure_over, run_over, list(raw.items())))
 
@@ -596,7 +393,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     if matrix is not None:
         entries += _expand_matrix(matrix)
     if not entries:
-        raise _Invalid("", "no trials: give a `trials:` list and/or a `matrix:` of strategy axes")
+        raise Invalid("", "no trials: give a `trials:` list and/or a `matrix:` of strategy axes")
 
     trials: list[RecipeTrial] = []
     seen: dict[str, str] = {}
@@ -606,17 +403,17 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         if path.startswith("matrix"):
             path = f"matrix[{name_}]"
         if name_ in seen:
-            raise _Invalid(path, f"duplicate trial name {name_!r} (also {seen[name_]}); give each trial a unique name")
+            raise Invalid(path, f"duplicate trial name {name_!r} (also {seen[name_]}); give each trial a unique name")
         seen[name_] = path
         merged = _merge(defaults, fields_)
         pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
-        strategy = _build(Strategy, {**merged, "name": name_}, path, device=device)
-        trial_measure = _build(MeasureSpec, {**measure_raw, **measure_over}, _join(path, "measure"))
+        strategy = build(Strategy, {**merged, "name": name_}, path, device=device)
+        trial_measure = build(MeasureSpec, {**measure_raw, **measure_over}, join_path(path, "measure"))
         run_merged = {**run_raw, **run_over}
         if isinstance(run_raw.get("env"), dict) and isinstance(run_over.get("env"), dict):
             run_merged["env"] = {**run_raw["env"], **run_over["env"]}
-        trial_run = _build(RunSpec, run_merged, _join(path, "run"))
-        _check_measure(trial_measure, _join(path, "measure"))
+        trial_run = build(RunSpec, run_merged, join_path(path, "run"))
+        check_measure(trial_measure, join_path(path, "measure"))
         spec = TrialSpec(
             name=name_,
             strategy=strategy,
@@ -628,9 +425,9 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         trials.append(RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path))
 
     baseline = data.get("baseline", trials[0].name)
-    _convert(str, baseline, "baseline")
+    convert(str, baseline, "baseline")
     if baseline not in seen:
-        raise _Invalid("baseline", f"{baseline!r} is not a trial; trials are {', '.join(seen)}")
+        raise Invalid("baseline", f"{baseline!r} is not a trial; trials are {', '.join(seen)}")
     return Recipe(
         name=name,
         description=description,
@@ -648,24 +445,24 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
 
 def _expand_matrix(matrix: Any) -> list[tuple[str, None, dict[str, Any], dict[str, Any], dict[str, Any], list]]:
     if not isinstance(matrix, dict) or not matrix:
-        raise _Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {_show(matrix)}")
+        raise Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {show_value(matrix)}")
     axes: list[tuple[str, list[Any]]] = []
     for key, values in matrix.items():
-        path = _join("matrix", str(key))
+        path = join_path("matrix", str(key))
         if not isinstance(key, str):
-            raise _Invalid(path, "axis names must be strings")
+            raise Invalid(path, "axis names must be strings")
         if not isinstance(values, list) or not values:
-            raise _Invalid(path, f"expected a non-empty list of values, got {_show(values)}")
+            raise Invalid(path, f"expected a non-empty list of values, got {show_value(values)}")
         tp = _strategy_field_type(key, path)
         for i, value in enumerate(values):
-            value_path = _join(path, i)
+            value_path = join_path(path, i)
             if key in _NESTED and isinstance(value, dict):
-                nested_hints = _hints(_NESTED[key])
-                _reject_unknown(value, nested_hints, value_path)
+                nested_hints = field_types(_NESTED[key])
+                reject_unknown(value, nested_hints, value_path)
                 for sub, sub_value in value.items():
-                    _convert(nested_hints[sub], sub_value, _join(value_path, sub))
+                    convert(nested_hints[sub], sub_value, join_path(value_path, sub))
             else:
-                _convert(tp, value, value_path)
+                convert(tp, value, value_path)
         axes.append((key, values))
     entries = []
     for combo in itertools.product(*(values for _, values in axes)):
@@ -678,61 +475,9 @@ def _expand_matrix(matrix: Any) -> list[tuple[str, None, dict[str, Any], dict[st
     return entries
 
 
-def _check_measure(measure: MeasureSpec, path: str) -> None:
-    """Range checks for :class:`~hfscale.spec.MeasureSpec` (the dataclass itself only holds the values)."""
-    if measure.warmup_steps < 0:
-        raise _Invalid(_join(path, "warmup_steps"), f"expected 0 or more, got {measure.warmup_steps}")
-    if measure.max_steps is not None and measure.max_steps < 1:
-        raise _Invalid(_join(path, "max_steps"), f"expected a positive integer or null, got {measure.max_steps}")
-    if measure.num_epochs <= 0:
-        raise _Invalid(_join(path, "num_epochs"), f"expected a positive number, got {measure.num_epochs}")
-    if measure.repeats < 1:
-        raise _Invalid(_join(path, "repeats"), f"expected a positive integer, got {measure.repeats}")
-    if measure.timeout_s <= 0:
-        raise _Invalid(_join(path, "timeout_s"), f"expected a positive number of seconds, got {measure.timeout_s}")
-
-
-def _check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
-    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
-    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
-    float."""
-    for key in training_args:
-        if key in OWNED_TRAINING_ARGS:
-            raise _Invalid(
-                _join(path, key),
-                f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
-            )
-    known = _training_args_fields()
-    if known is None:
-        return dict(training_args)
-    out = {}
-    for key, value in training_args.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise _Invalid(_join(path, key), f"not a transformers.TrainingArguments field{hint}")
-        number = _float_text(value)
-        out[key] = number if number is not None and known[key] else value
-    return out
-
-
-def _training_args_fields() -> dict[str, bool] | None:
-    """``TrainingArguments``' field names (-> whether the field takes a float), or None when transformers is not
-    installed (the trial then checks them)."""
-    try:
-        from transformers import TrainingArguments
-    except ImportError:
-        return None
-    out = {}
-    for f in dataclasses.fields(TrainingArguments):
-        if f.init:
-            tp = f.type
-            out[f.name] = tp is float or (get_origin(tp) in (typing.Union, types.UnionType) and float in get_args(tp))
-    return out
-
-
 __all__ = [
     "OWNED_TRAINING_ARGS",
+    "REFUSED_TRAINING_ARGS",
     "Recipe",
     "RecipeError",
     "RecipeTrial",

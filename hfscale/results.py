@@ -1,26 +1,35 @@
-"""How results are stored: one run folder per sweep, one JSON line per trial.
+"""The result row: one typed record per trial run, from the process that measured it to the report that renders it.
 
-Measuring (the callbacks, ``hfscale.trial``), storing (this module) and rendering (``hfscale.report``) stay apart:
-the report reads only what is written here, so a run folder copied from another machine renders the same.
+A trial process writes a :class:`TrialOutcome` (what it measured); the sweep wraps it, unchanged, in a
+:class:`TrialResult` together with what only the sweep knows (how the process group was launched and ended, the
+estimate made before it ran, the loss-parity check, the batch search) and appends it to the run folder; the report
+and ``hfscale.load_run`` read the same objects back. Nothing re-parses dicts: every member is a dataclass of its own
+(:class:`~hfscale.measurements.MemorySummary`, :class:`~hfscale.measurements.ThroughputSummary`,
+:class:`~hfscale.measurements.VerificationRecord`, :class:`~hfscale.estimate.MemoryEstimate`,
+:class:`~hfscale.parity.ParityResult`, :class:`~hfscale.batch_search.BatchSearchRecord`), and one serializer
+(:func:`row_to_json` / :func:`row_from_json`, pydantic's validation of these dataclasses) reads and writes them all.
 
-Run folder layout::
-
-    RUN/
-      recipe.yaml          the recipe as given
-      environment.json     GPU model/count, driver, CUDA, library versions, host, git commit, time
-      results.jsonl        one TrialResult per line, appended (and fsynced) as each trial ends
-      trials/NAME/         generated configs (accelerate.yaml, deepspeed.json, training_args.json),
-                           the trial's spec, its stdout/stderr logs
+Every stored row carries ``schema_version``. Rows of schema 1 (hfscale 0.1: the measurements flat on the row,
+launch details and repeat numbers in a catch-all ``extra``) are migrated when read (:func:`migrate_row`), so the
+committed run folders stay readable without rewriting them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
+import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
+
+from hfscale.activity import MachineActivity
+from hfscale.batch_search import BatchSearchRecord
+from hfscale.estimate import MemoryEstimate
+from hfscale.measurements import MemorySummary, ThroughputSummary, VerificationRecord
+from hfscale.parity import ParityResult
+from hfscale.strategy import Strategy
+
+SCHEMA_VERSION = 2
+"""Bumped when a field changes meaning or moves (adding an optional field does not); :func:`migrate_row` reads
+every earlier version."""
 
 TrialStatus = Literal["ok", "oom", "crashed", "timeout", "not_applied", "skipped"]
 """ok: trained and verified; oom: ran out of device or host memory; crashed: any other non-zero exit or signal;
@@ -29,114 +38,305 @@ skipped: not run (missing optional dependency, predicted out of memory), with th
 
 TRIAL_STATUSES: tuple[str, ...] = ("ok", "oom", "crashed", "timeout", "not_applied", "skipped")
 
-RESULTS_FILE = "results.jsonl"
-ENVIRONMENT_FILE = "environment.json"
-RECIPE_FILE = "recipe.yaml"
-TRIALS_DIR = "trials"
+OutcomeStatus = Literal["ok", "not_applied"]
+
+
+@dataclass(kw_only=True)
+class TrialOutcome:
+    """What one trial process group measured: the JSON ``python -m hfscale.trial`` writes to ``--result``.
+
+    Failures to train are not written here (the process raises and the sweep classifies its exit): a trial that
+    wrote an outcome trained to the end.
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    trial: str
+    """The trial's name (:attr:`hfscale.spec.TrialSpec.name`)."""
+    status: OutcomeStatus
+    """``ok``: trained, and the verification record matches the strategy; ``not_applied``: trained, but what ran
+    is not what the strategy asked for (see ``reason``)."""
+    reason: str | None = None
+    """For ``not_applied``: the mismatches, joined into one sentence."""
+    mismatches: list[str] = field(default_factory=list)
+    """:func:`hfscale.verify.check`'s list, one entry per way what ran differs from what was asked."""
+    train_runtime_s: float | None = None
+    """The Trainer's ``train_runtime`` (from the first step's set-up end to the last step; set-up excluded)."""
+    train_samples_per_second: float | None = None
+    """The Trainer's own figure (global samples over ``train_runtime``, warm-up steps included)."""
+    loss_curve: list[float] = field(default_factory=list)
+    """Training loss of each optimizer step, in step order (mean over ranks)."""
+    memory: MemorySummary | None = None
+    """The memory callback's summary (max over ranks and per rank)."""
+    throughput: ThroughputSummary | None = None
+    """The throughput callback's summary (steady state, after the warm-up steps)."""
+    verification: VerificationRecord | None = None
+    """What really ran, read from inside the run."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+    """Main process, in seconds: ``startup`` (process creation to the runner's ``main``), ``imports``,
+    ``model_build``, ``data_build``, ``training_args``, ``trainer_init``, ``train_setup`` (``train()`` call to the
+    first step: wrapping, sharding, DeepSpeed initialisation), ``train_loop`` (first step to the end of training),
+    ``train_call`` (the whole ``train()`` call), ``verify``, and ``total`` (process creation to the result)."""
+    world_size: int = 1
+    """Processes that trained."""
+    training_args: dict[str, Any] = field(default_factory=dict)
+    """The merged ``TrainingArguments`` keywords the Trainer got (``output_dir`` left out: a temporary folder)."""
+    started_at: str | None = None
+    """ISO 8601 UTC time the process started."""
+    finished_at: str | None = None
+    """ISO 8601 UTC time the result was written."""
+
+    def __post_init__(self) -> None:
+        if self.status not in ("ok", "not_applied"):
+            raise ValueError(f"TrialOutcome.status: expected 'ok' or 'not_applied', got {self.status!r}")
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.loss_curve[-1] if self.loss_curve else None
+
+    def to_json(self) -> dict[str, Any]:
+        return _adapter(TrialOutcome).dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrialOutcome:
+        """Validate a JSON object into an outcome; keys written by a newer hfscale are ignored.
+
+        Raises:
+            ValueError: naming the field that does not validate.
+        """
+        return _validate(TrialOutcome, data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRecord:
+    """How the sweep launched one trial's process group and how the group ended."""
+
+    command: list[str] = field(default_factory=list)
+    main_process_port: int | None = None
+    memory_limit_gib: float | None = None
+    """Address-space limit of every process of the group; None: unlimited."""
+    timeout_s: float | None = None
+    """Wall-clock limit of the whole group."""
+    trial_dir: str | None = None
+    """The folder of this run's logs and result, relative to the run folder."""
+    after_result: str | None = None
+    """Set when the group wrote its result and then failed to exit cleanly (the measurement stands)."""
+    device_lock_waited_s: float | None = None
+    """Seconds the trial waited for its devices' locks (:mod:`hfscale.device_lock`) while another sweep's trial
+    held them; None when no lock was taken (rows of hfscale 0.2 and earlier, or the lock folder was unusable)."""
+    device_shared_with: list[str] | None = None
+    """Another sweep's trials that held this trial's devices while it ran (``HFSCALE_DEVICE_LOCK=share``), or why
+    its devices could not be locked; None when it had them to itself."""
 
 
 @dataclass(kw_only=True)
 class TrialResult:
-    """One row of a sweep: what was asked, what ran, and what was measured.
+    """One row of a sweep: what was asked, how it was launched, what it measured, and what was derived from it."""
 
-    ``memory`` and ``throughput`` hold the callbacks' summaries as dicts (``MemorySummary.to_dict()``,
-    ``ThroughputSummary.to_dict()``); ``verification`` the record of what really ran (``hfscale.verify``);
-    ``estimate`` the predicted memory (``hfscale.estimate``). Every one is None when it was not measured.
-    """
-
+    schema_version: int = SCHEMA_VERSION
     trial: str
     """The trial's name (unique within a run)."""
-    strategy: dict[str, Any]
-    """``Strategy.to_dict()`` of what was asked for."""
-    status: TrialStatus
-    reason: str | None = None
-    """Why a trial is not ``ok``, in a sentence a user can act on."""
+    repeat: int = 0
+    """Which run of the trial this is, 0-based."""
+    repeats: int = 1
+    """How many runs of the trial the recipe asks for."""
+    strategy: Strategy
+    """What was asked for."""
     description: str = ""
     """``Strategy.describe()``: the strategy in words."""
     is_baseline: bool = False
+    status: TrialStatus
+    reason: str | None = None
+    """Why a trial is not ``ok``, in a sentence a user can act on."""
     exit_code: int | None = None
     """The launcher's exit code; negative for a signal (as ``subprocess`` reports it)."""
     stderr_tail: str | None = None
     """Last lines of the trial's stderr, kept for failed trials."""
     wall_time_s: float | None = None
     """Whole process group, launch to exit: includes start-up, model build and DeepSpeed init."""
-    train_runtime_s: float | None = None
-    """The Trainer's own ``train_runtime`` (warm-up included, set-up excluded)."""
-    train_samples_per_second: float | None = None
-    """The Trainer's own figure, beside our steady-state one."""
-    final_loss: float | None = None
-    loss_curve: list[float] = field(default_factory=list)
-    """Training loss per optimizer step over the run (same seed and data in every trial)."""
-    memory: dict[str, Any] | None = None
-    throughput: dict[str, Any] | None = None
-    verification: dict[str, Any] | None = None
-    estimate: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Anything a later feature adds (batch search probes, parity flags); the report ignores unknown keys."""
     started_at: str | None = None
     finished_at: str | None = None
+    launch: LaunchRecord | None = None
+    """None for a trial that was not launched (``skipped``)."""
+    measured: TrialOutcome | None = None
+    """What the trial process wrote; None when it wrote nothing (it failed, or was not launched)."""
+    estimate: MemoryEstimate | None = None
+    """The peak memory predicted before the trial ran."""
+    estimate_error: str | None = None
+    """Why there is no estimate (a model type or optimizer the estimator does not model)."""
+    parity: ParityResult | None = None
+    """The loss curve against the baseline's (``hfscale.parity``)."""
+    batch_search: BatchSearchRecord | None = None
+    """The largest batch that fits (``--find-max-batch``)."""
+    activity: MachineActivity | None = None
+    """What else the machine was doing while the trial ran (``hfscale.activity``); None when not sampled."""
 
     def __post_init__(self) -> None:
         if self.status not in TRIAL_STATUSES:
             raise ValueError(f"TrialResult.status: expected one of {', '.join(TRIAL_STATUSES)}, got {self.status!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    # -- what the trial measured, read through the outcome (None when it measured nothing) --------------------
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
-        known = {f.name for f in dataclasses.fields(cls)}
-        extra = dict(data.get("extra") or {})
-        # Rows written by a newer hfscale keep their unknown keys instead of failing the report.
-        extra.update({k: v for k, v in data.items() if k not in known})
-        kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["extra"] = extra
-        return cls(**kwargs)
+    @property
+    def memory(self) -> MemorySummary | None:
+        return self.measured.memory if self.measured else None
+
+    @property
+    def throughput(self) -> ThroughputSummary | None:
+        return self.measured.throughput if self.measured else None
+
+    @property
+    def verification(self) -> VerificationRecord | None:
+        return self.measured.verification if self.measured else None
+
+    @property
+    def loss_curve(self) -> list[float]:
+        return self.measured.loss_curve if self.measured else []
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.measured.final_loss if self.measured else None
+
+    @property
+    def train_runtime_s(self) -> float | None:
+        return self.measured.train_runtime_s if self.measured else None
+
+    @property
+    def train_samples_per_second(self) -> float | None:
+        return self.measured.train_samples_per_second if self.measured else None
+
+    @property
+    def peak_gib(self) -> float | None:
+        """The training peak, max over ranks (CUDA peak allocated / CPU peak RSS)."""
+        return self.memory.peak_gib if self.memory else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Steady-state samples/s (all ranks, warm-up steps left out); None when it was not measured."""
+        return self.throughput.samples_per_s if self.throughput else None
+
+    @property
+    def predicted_gib(self) -> float | None:
+        return self.estimate.total_gib if self.estimate else None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What identifies the row within its run: (trial, repeat)."""
+        return (self.trial, self.repeat)
+
+    def to_json(self) -> dict[str, Any]:
+        return row_to_json(self)
 
 
-def append_result(path: str | os.PathLike[str], result: TrialResult) -> None:
-    """Append one row and make it durable before returning, so a crash or Ctrl-C never loses a finished trial."""
-    line = json.dumps(result.to_dict(), sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+@functools.cache
+def _adapter(cls: type) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls)
 
 
-def read_results(run_dir: str | os.PathLike[str]) -> list[TrialResult]:
-    """Every complete row of a run folder, in the order written; a torn last line (killed mid-write) is skipped.
+def _validate(cls: type, data: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return _adapter(cls).validate_python(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<row>'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise ValueError(f"not a valid {cls.__name__}: {problems}") from None
+
+
+def row_to_json(row: TrialResult) -> dict[str, Any]:
+    """The row as a JSON-ready dict (what one line of ``results.jsonl`` holds); inf and NaN become null."""
+    return _adapter(TrialResult).dump_python(row, mode="json")
+
+
+def row_from_json(data: dict[str, Any]) -> TrialResult:
+    """A stored row, of any schema version, as a :class:`TrialResult`.
 
     Raises:
-        FileNotFoundError: when the folder has no results file.
+        ValueError: naming the field that does not validate, or an unknown (newer) schema version.
     """
-    path = Path(run_dir) / RESULTS_FILE
-    rows: list[TrialResult] = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.endswith("\n"):
-                break
-            if line.strip():
-                rows.append(TrialResult.from_dict(json.loads(line)))
-    return rows
+    return _validate(TrialResult, migrate_row(data))
 
 
-def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The run's environment record, or an empty dict when the folder has none."""
-    path = Path(run_dir) / ENVIRONMENT_FILE
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+def migrate_row(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored row's dict in the current schema; rows already current are returned as they are.
+
+    Schema 1 (hfscale 0.1) kept the measurements flat on the row and launch details, repeat numbers, parity and
+    batch search in ``extra``; schema 2 nests what the trial process wrote under ``measured`` and gives each of
+    the others a typed field.
+
+    Raises:
+        ValueError: for a schema version newer than this hfscale reads.
+    """
+    version = data.get("schema_version", 1)
+    if version == SCHEMA_VERSION:
+        return data
+    if version != 1:
+        raise ValueError(f"schema_version {version!r}: this hfscale reads rows of schema 1 to {SCHEMA_VERSION}")
+    return _migrate_v1(data)
+
+
+_V1_MEASURED = ("train_runtime_s", "train_samples_per_second", "loss_curve", "memory", "throughput", "verification")
+_V1_LAUNCH = ("command", "main_process_port", "memory_limit_gib", "timeout_s", "trial_dir", "after_result")
+
+
+def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+    extra = dict(data.get("extra") or {})
+    row: dict[str, Any] = {
+        key: data.get(key)
+        for key in (
+            "trial",
+            "strategy",
+            "description",
+            "is_baseline",
+            "status",
+            "reason",
+            "exit_code",
+            "stderr_tail",
+            "wall_time_s",
+            "started_at",
+            "finished_at",
+            "estimate",
+        )
+        if key in data
+    }
+    row["schema_version"] = SCHEMA_VERSION
+    row["repeat"] = int(extra.get("repeat", 0))
+    row["repeats"] = int(extra.get("repeats", 1))
+    row["estimate_error"] = extra.get("estimate_error")
+    if "command" in extra:
+        row["launch"] = {key: extra[key] for key in _V1_LAUNCH if key in extra}
+    if data.get("status") in ("ok", "not_applied") and data.get("memory") is not None:
+        row["measured"] = {
+            "trial": data["trial"],
+            "status": data["status"],
+            "reason": data.get("reason"),
+            "mismatches": extra.get("mismatches", []),
+            "timings_s": extra.get("timings_s", {}),
+            "world_size": extra.get("world_size", 1),
+            "training_args": extra.get("training_args", {}),
+            "started_at": data.get("started_at"),
+            "finished_at": data.get("finished_at"),
+            **{key: data[key] for key in _V1_MEASURED if key in data},
+        }
+    if isinstance(extra.get("parity"), dict):
+        row["parity"] = extra["parity"]
+    if isinstance(extra.get("batch_search"), dict):
+        row["batch_search"] = BatchSearchRecord.migrate_v1(extra["batch_search"])
+    return row
 
 
 __all__ = [
-    "ENVIRONMENT_FILE",
-    "RECIPE_FILE",
-    "RESULTS_FILE",
-    "TRIALS_DIR",
+    "SCHEMA_VERSION",
     "TRIAL_STATUSES",
+    "LaunchRecord",
+    "OutcomeStatus",
+    "TrialOutcome",
     "TrialResult",
     "TrialStatus",
-    "append_result",
-    "read_environment",
-    "read_results",
+    "migrate_row",
+    "row_from_json",
+    "row_to_json",
 ]

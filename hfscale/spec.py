@@ -58,9 +58,22 @@ class MeasureSpec:
     """Optimizer steps to train; None trains ``num_epochs`` epochs."""
     num_epochs: float = 1.0
     repeats: int = 1
-    """Times each trial is run (each in a fresh process)."""
+    """Times each trial is run (each in a fresh process); with ``target_precision``, the fewest."""
     timeout_s: float = 1800.0
     """Wall-clock limit for one trial's whole process group."""
+    target_precision: float | None = None
+    """Run the trial again (in later interleaved rounds, up to ``max_repeats``) until the 95% interval of its
+    steady-state samples/s, bootstrapped over steps and runs, is within this fraction of the value (0.05: ± 5%).
+    At least two runs are made, since one run cannot show run-to-run noise. None: exactly ``repeats`` runs."""
+    max_repeats: int = 5
+    """The most runs ``target_precision`` may take."""
+    max_time_s: float | None = None
+    """With ``target_precision``: no further run once the trial's runs took this many wall-clock seconds."""
+
+    @property
+    def most_runs(self) -> int:
+        """How many runs of the trial there can be."""
+        return max(self.repeats, self.max_repeats) if self.target_precision is not None else self.repeats
 
 
 @dataclass(frozen=True, kw_only=True)

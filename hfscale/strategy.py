@@ -9,6 +9,7 @@ that names the fields involved. Checks that involve two fields live on the datac
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -127,8 +128,10 @@ class Strategy:
     """fp32, or mixed precision with fp16 (loss scaling) or bf16 autocast."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them."""
-    optimizer: Optimizer = "adamw_torch"
-    """The Trainer's ``optim`` name."""
+    optimizer: Optimizer | None = None
+    """The Trainer's ``optim`` name; None leaves it to the installed transformers' default (``adamw_torch_fused``
+    in transformers 5), so the baseline is what a Trainer user gets without naming one. A recipe that reproduces
+    an older table pins it (``adamw_torch``). :attr:`resolved_optimizer` says which one that is."""
     per_device_batch_size: int = 8
     """Samples per process per forward pass."""
     gradient_accumulation_steps: int = 1
@@ -149,13 +152,15 @@ class Strategy:
         self._check_optimizer()
 
     def _check_fields(self) -> None:
-        if not self.name or any(not (c.isalnum() or c in "-_.") for c in self.name):
+        if not self.name or any(not (c.isalnum() or c in "-_.") for c in self.name) or not self.name.strip("."):
             raise StrategyError(
-                f"strategy.name: {self.name!r} must be non-empty letters, digits, '-', '_' or '.' (it names a folder)"
+                f"strategy.name: {self.name!r} must be non-empty letters, digits, '-', '_' or '.', and not only dots "
+                "(it names a folder: '.' and '..' would be the run folder or its parent)"
             )
         _check_choice("strategy", "device", self.device, get_args(Device))
         _check_choice("strategy", "precision", self.precision, get_args(Precision))
-        _check_choice("strategy", "optimizer", self.optimizer, get_args(Optimizer))
+        if self.optimizer is not None:
+            _check_choice("strategy", "optimizer", self.optimizer, get_args(Optimizer))
         if not isinstance(self.gradient_checkpointing, bool):
             raise StrategyError(
                 f"strategy.gradient_checkpointing: expected true or false, got {self.gradient_checkpointing!r}"
@@ -244,12 +249,21 @@ class Strategy:
     def distributed(self) -> bool:
         return self.num_processes > 1
 
+    @property
+    def resolved_optimizer(self) -> str:
+        """The ``optim`` the Trainer runs: :attr:`optimizer`, or the installed transformers' default when unset.
+
+        Raises:
+            ImportError: when the optimizer is unset and transformers is not installed.
+        """
+        return self.optimizer if self.optimizer is not None else default_optimizer()
+
     def describe(self) -> str:
         """The strategy in words, as a report row shows it."""
         parts = [self.precision]
         if self.gradient_checkpointing:
             parts.append("grad-ckpt")
-        parts.append(self.optimizer)
+        parts.append(self.optimizer or "default optimizer")
         if self.deepspeed is not None:
             ds = self.deepspeed
             zero = f"ZeRO-{ds.zero_stage}"
@@ -290,6 +304,25 @@ class Strategy:
         return dataclasses.replace(self, **changes)
 
 
+@functools.cache
+def default_optimizer() -> str:
+    """The ``optim`` that ``transformers.TrainingArguments`` uses when none is given, read from the installed
+    version's field default (``adamw_torch_fused`` in transformers 5, ``adamw_torch`` in 4.x), never assumed.
+
+    Raises:
+        ImportError: when transformers is not installed.
+    """
+    try:
+        from transformers import TrainingArguments
+    except ImportError as exc:
+        raise ImportError(
+            "strategy.optimizer is unset, which means the Trainer's default optimizer, and transformers is not "
+            "installed to say which that is: pip install transformers, or set strategy.optimizer"
+        ) from exc
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    return str(getattr(default, "value", default))
+
+
 def precision_from_flags(*, fp16: bool = False, bf16: bool = False) -> Precision:
     """Map Trainer-style ``fp16``/``bf16`` flags to one precision.
 
@@ -315,5 +348,6 @@ __all__ = [
     "FsdpSpec",
     "Strategy",
     "StrategyError",
+    "default_optimizer",
     "precision_from_flags",
 ]

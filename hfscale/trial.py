@@ -14,15 +14,17 @@ What the runner does, on every rank:
 3. builds the model from its config with random weights (``AutoConfig.for_model`` + ``from_config``; ``pretrained``
    loads real weights) and the dummy data set (:func:`hfscale.data.make_dataset`);
 4. merges ``TrainingArguments``: the recipe's ``spec.training_args`` under the strategy's keywords, under what the
-   runner owns (:data:`RUNNER_TRAINING_ARGS`: a temporary ``output_dir``, no checkpoints, a loss per optimizer
-   step, the step or epoch count from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and
-   ``average_tokens_across_devices=False`` so a multi-process loss is not multiplied by the world size);
+   runner owns (:data:`RUNNER_TRAINING_ARGS`: a temporary ``output_dir``, no checkpoints, the step or epoch count
+   from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
+   so a multi-process loss is not multiplied by the world size); the loss curve is recorded on the device
+   (:class:`LossRecorder`), not logged every step;
 5. for FSDP with transformer-layer wrapping and no class named, names the model's blocks
    (:func:`fsdp_block_classes`); on CPU, applies :func:`hfscale.fsdp_cpu.enable_fsdp2_on_cpu` (accelerate would
    run DDP instead);
-6. trains with :class:`~hfscale.callbacks.MemoryCallback` and :class:`~hfscale.callbacks.ThroughputCallback`
-   and a :class:`~hfscale.verify.LinearDtypeProbe` hooked on the model, then reads what ran
-   (:func:`hfscale.verify.collect`, collective) and checks it against the strategy (:func:`hfscale.verify.check`);
+6. trains with :class:`~hfscale.callbacks.MemoryCallback`, :class:`~hfscale.callbacks.ThroughputCallback` and
+   :class:`~hfscale.callbacks.VerificationCallback` (the one a user adds to a Trainer, in ``warn`` mode: it reads
+   what ran at the end of the first step and checks it against the strategy), bound to the Trainer with
+   :func:`hfscale.callbacks.attach`;
 7. the main process writes a :class:`TrialOutcome` as JSON to ``--result``.
 
 Exit status: 0 when the result was written, with ``status`` ``"ok"`` or ``"not_applied"`` (the strategy did not
@@ -33,7 +35,6 @@ so that the sweep can classify out-of-memory and crashes from the exit code and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -41,12 +42,12 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from hfscale.model import build_model
+from hfscale.results import TrialOutcome
 from hfscale.spec import TrialSpec
 
 if TYPE_CHECKING:
@@ -59,11 +60,6 @@ logger = logging.getLogger(__name__)
 # The result file
 # --------------------------------------------------------------------------------------------------------------
 
-RESULT_SCHEMA_VERSION = 1
-"""Bumped when a field of :class:`TrialOutcome` changes meaning or is removed (adding one does not)."""
-
-OutcomeStatus = Literal["ok", "not_applied"]
-
 TRAINING_ARGS_FILE = "training_args.json"
 """Looked for next to the spec when ``--training-args`` is not given (``hfscale.configs.write_configs`` writes it)."""
 
@@ -73,86 +69,12 @@ DEFAULT_SEED = 42
 RUNNER_TRAINING_ARGS: dict[str, Any] = {
     "save_strategy": "no",
     "eval_strategy": "no",
-    "logging_strategy": "steps",
-    "logging_steps": 1,
     "average_tokens_across_devices": False,
 }
 """``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
-keep checkpoints; one logged loss per optimizer step makes the loss curve; and without
-``average_tokens_across_devices=False`` the logged loss of an N-process run is N times too large."""
-
-
-@dataclass(kw_only=True)
-class TrialOutcome:
-    """What one trial process group measured: the JSON object ``python -m hfscale.trial`` writes to ``--result``.
-
-    The sweep turns it into a :class:`hfscale.results.TrialResult` row: every field here of the same name is
-    copied; ``timings_s``, ``world_size``, ``training_args`` and ``mismatches`` are kept in the row's ``extra``.
-    """
-
-    schema_version: int = RESULT_SCHEMA_VERSION
-    trial: str
-    """:attr:`TrialSpec.name`."""
-    status: OutcomeStatus
-    """``ok``: trained, and the verification record matches the strategy; ``not_applied``: trained, but what ran
-    is not what the strategy asked for (see ``reason``). Failures to train are not written here: they raise."""
-    reason: str | None = None
-    """For ``not_applied``: the mismatches, joined into one sentence."""
-    mismatches: list[str] = field(default_factory=list)
-    """:func:`hfscale.verify.check`'s list, one entry per way what ran differs from what was asked."""
-    train_runtime_s: float | None = None
-    """The Trainer's ``train_runtime`` (from the first step's set-up end to the last step; set-up excluded)."""
-    train_samples_per_second: float | None = None
-    """The Trainer's own figure (global samples over ``train_runtime``, warm-up steps included)."""
-    final_loss: float | None = None
-    """Last entry of :attr:`loss_curve`."""
-    loss_curve: list[float] = field(default_factory=list)
-    """Training loss logged at each optimizer step, in step order (``logging_steps=1``)."""
-    memory: dict[str, Any] | None = None
-    """``MemoryCallback.summary.to_dict()`` (max over ranks and per rank)."""
-    throughput: dict[str, Any] | None = None
-    """``ThroughputCallback.summary.to_dict()`` (steady state, after ``measure.warmup_steps``)."""
-    verification: dict[str, Any] | None = None
-    """:class:`hfscale.verify.VerificationRecord` as a dict: what really ran."""
-    timings_s: dict[str, float] = field(default_factory=dict)
-    """Main process, in seconds: ``startup`` (process creation to the runner's ``main``), ``imports`` (torch,
-    transformers, accelerate), ``model_build``, ``data_build``, ``training_args``, ``trainer_init`` (the Trainer,
-    its accelerator and the process group), ``train_setup`` (``train()`` call to the first step: wrapping,
-    sharding, DeepSpeed initialisation, optimizer creation), ``train_loop`` (first step to the end of training),
-    ``train_call`` (the whole ``train()`` call), ``verify``, and ``total`` (process creation to the result being
-    written)."""
-    world_size: int = 1
-    """Processes that trained."""
-    training_args: dict[str, Any] = field(default_factory=dict)
-    """The merged ``TrainingArguments`` keywords the Trainer got (``output_dir`` left out: a temporary folder)."""
-    started_at: str | None = None
-    """ISO 8601 UTC time the process started."""
-    finished_at: str | None = None
-    """ISO 8601 UTC time the result was written."""
-
-    def __post_init__(self) -> None:
-        if self.status not in ("ok", "not_applied"):
-            raise ValueError(f"TrialOutcome.status: expected 'ok' or 'not_applied', got {self.status!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialOutcome:
-        """Inverse of :meth:`to_dict`; keys written by a newer hfscale are ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-    def write(self, path: str | os.PathLike[str]) -> None:
-        """Write as JSON atomically (a reader never sees half a file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-
-    @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> TrialOutcome:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
+times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
+:class:`LossRecorder`, not by logging every step, which would gather and read the loss on every step."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -234,14 +156,45 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
         logger.info("FSDP wraps %s (the model's blocks)", ", ".join(blocks))
 
 
-def _loss_curve(trainer: Trainer) -> list[float]:
-    entries = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
-    return [float(e["loss"]) for e in sorted(entries, key=lambda e: e["step"])]
+class LossRecorder:
+    """The training loss of every optimizer step, kept on the device during training and read once at the end.
 
+    With ``logging_steps=1`` the Trainer would gather the loss across ranks and call ``.item()`` on every step: a
+    host-device synchronisation (and an all-gather with several processes) inside every timed step, which a user's
+    Trainer (logging every 500 steps by default) does not pay. Instead :meth:`wrap` keeps what each micro-batch's
+    ``training_step`` returns (exactly what the Trainer adds to the loss it logs) as a detached device tensor, with
+    the optimizer step it belongs to, and :meth:`curve` adds them up per step and averages over ranks, as the
+    Trainer's logged loss does.
+    """
 
-def _summary_dict(callback: Any) -> dict[str, Any] | None:
-    summary = getattr(callback, "summary", None)
-    return summary.to_dict() if summary is not None else None
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._losses: list[Any] = []
+
+    def wrap(self, trainer: Trainer) -> None:
+        """Record every ``training_step`` of ``trainer`` from now on."""
+        inner = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = inner(*args, **kwargs)
+            self._steps.append(trainer.state.global_step)
+            self._losses.append(loss.detach().float().reshape(()))
+            return loss
+
+        trainer.training_step = training_step  # type: ignore[method-assign]
+
+    def curve(self, trainer: Trainer) -> list[float]:
+        """The loss per optimizer step, mean over ranks. Collective: call it on every rank."""
+        import torch
+
+        if not self._losses:
+            return []
+        local = torch.stack(self._losses)
+        gathered = trainer.accelerator.gather(local).reshape(-1, len(self._losses)).mean(dim=0).tolist()
+        per_step: dict[int, float] = {}
+        for step, value in zip(self._steps, gathered, strict=True):
+            per_step[step] = per_step.get(step, 0.0) + value
+        return [per_step[step] for step in sorted(per_step)]
 
 
 def _utc_iso(timestamp: float) -> str:
@@ -317,9 +270,8 @@ def run_trial(
     import transformers
     from transformers import Trainer, TrainingArguments
 
-    from hfscale.callbacks import MemoryCallback, ThroughputCallback
+    from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback, attach
     from hfscale.data import make_dataset
-    from hfscale.verify import LinearDtypeProbe, check, collect, count_parameters
 
     lap("imports")
     scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
@@ -344,17 +296,21 @@ def run_trial(
             enable_fsdp2_on_cpu()
         args = TrainingArguments(output_dir=os.path.join(scratch, "output"), **kwargs)
         lap("training_args")
-        params_total, _ = count_parameters(model)  # before FSDP1 turns the parameters into views of its shard
-        probe = LinearDtypeProbe(model)
         phase_clock = _train_phase_clock()
         memory_cb = MemoryCallback()
         throughput_cb = ThroughputCallback(warmup_steps=spec.measure.warmup_steps)
+        # Counts the parameters when the Trainer is built, before FSDP1 turns them into views of its shard.
+        verify_cb = VerificationCallback(spec.strategy, on_mismatch="warn")
         trainer = Trainer(
             model=model,
             args=args,
             train_dataset=dataset,
-            callbacks=[memory_cb, throughput_cb, phase_clock],
+            callbacks=[memory_cb, throughput_cb, phase_clock, verify_cb],
         )
+        recorder = LossRecorder()
+        recorder.wrap(trainer)
+        # Bound explicitly: the callbacks never search the call stack for their Trainer.
+        attach(trainer, memory_cb, throughput_cb, verify_cb)
         lap("trainer_init")
 
         train_call_start = time.perf_counter()
@@ -366,12 +322,12 @@ def run_trial(
             if phase_clock.train_end is not None:
                 timings["train_loop"] = phase_clock.train_end - phase_clock.train_begin
 
-        probe.remove()
-        record = collect(trainer, probe, params_total=params_total)
-        mismatches = check(spec.strategy, record)
+        # Verified by the callback at the end of the first step (warn mode: a mismatch is a not_applied result).
+        record = verify_cb.record
+        mismatches = verify_cb.mismatches
         lap("verify")
 
-        loss_curve = _loss_curve(trainer)
+        loss_curve = recorder.curve(trainer)
         outcome = TrialOutcome(
             trial=spec.name,
             status="not_applied" if mismatches else "ok",
@@ -379,12 +335,11 @@ def run_trial(
             mismatches=mismatches,
             train_runtime_s=output.metrics.get("train_runtime"),
             train_samples_per_second=output.metrics.get("train_samples_per_second"),
-            final_loss=loss_curve[-1] if loss_curve else None,
             loss_curve=loss_curve,
-            memory=_summary_dict(memory_cb),
-            throughput=_summary_dict(throughput_cb),
-            verification=record.to_dict(),
-            world_size=record.world_size,
+            memory=memory_cb.summary,
+            throughput=throughput_cb.summary,
+            verification=record,
+            world_size=record.world_size if record is not None else int(args.world_size),
             training_args=kwargs,
             started_at=_utc_iso(process_start),
         )
@@ -395,13 +350,30 @@ def run_trial(
         outcome.timings_s = timings
         outcome.finished_at = _utc_iso(finished)
         if result_path is not None and trainer.is_world_process_zero():
-            outcome.write(result_path)
+            write_outcome(outcome, result_path)
         # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return outcome
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_outcome(outcome: TrialOutcome, path: str | os.PathLike[str]) -> None:
+    """Write the outcome as JSON atomically (the sweep never reads half a file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_outcome(path: str | os.PathLike[str]) -> TrialOutcome:
+    """The outcome a trial wrote.
+
+    Raises:
+        OSError: when it cannot be read; ValueError: when it is not a valid outcome.
+    """
+    return TrialOutcome.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -428,6 +400,9 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hfscale.trial``; returns the exit status."""
     process_start = _process_start_time()
+    from hfscale.process import watch_driver
+
+    watch_driver()  # a trial never outlives the sweep that started it (its whole group is killed when it dies)
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s"

@@ -20,24 +20,37 @@ field                         read from
                               gathered from every rank
 ``linear_output_dtype``       the dtype an ``nn.Linear`` produced in the first training forward (forward hook):
                               autocast or a half-precision engine happened
+``mixed_precision``           ``AcceleratorState().mixed_precision`` (``no``, ``bf16``, ``fp16``)
 ``optimizer_class``,          the innermost optimizer (unwrapping accelerate's and DeepSpeed's wrappers) and the
 ``optimizer_state_dtypes``    dtypes of its state tensors (``uint8``: 8-bit states happened)
+``optimizer_implementation``  a torch optimizer's kernel: ``fused``, ``foreach`` or ``for-loop`` (its ``fused`` and
+                              ``foreach`` options, an unset one resolved as torch resolves it)
+``fsdp_sharding``,            FSDP2: whether the wrapped blocks reshard after forward (``full_shard``) or not
+``fsdp_cpu_offload``          (``shard_grad_op``), a 2-D mesh (``hybrid_shard``) and the ``CPUOffloadPolicy``;
+                              FSDP1: the wrapper's ``sharding_strategy`` and ``cpu_offload.offload_params``
+``global_batch_size``         samples per optimizer step across ranks: as the trial counted them in the batches,
+                              else the DeepSpeed engine's ``train_batch_size()``, else the Trainer's batch (after any
+                              change it made) x accumulation steps x processes
 ``gradient_checkpointing``    ``model.is_activation_checkpointing`` or a ``CheckpointWrapper`` (FSDP's own
                               activation checkpointing)
 ============================  =====================================================================================
 
 :func:`check` turns a record and a :class:`~hfscale.strategy.Strategy` into a list of mismatches in words; the
-trial runner makes any mismatch a ``not_applied`` result, never a silent row.
+trial runner makes any mismatch a ``not_applied`` result, never a silent row. Every field of the strategy is
+compared with what ran: processes and device, the engine (distributed type and wrapper), ZeRO stage and offloads,
+FSDP sharding and offload, whether parameters are sharded, precision (accelerate's setting and the dtype a Linear
+produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under offload), gradient checkpointing
+and the global batch (per-device batch x accumulation x processes). A field the record could not read (None:
+an older record, or a library whose internals moved) is left out of the comparison rather than guessed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, Strategy
+from hfscale.measurements import VerificationRecord, Wrapper
+from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, FsdpSharding, Strategy
 
 if TYPE_CHECKING:
     import torch
@@ -45,70 +58,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Wrapper = Literal["none", "DDP", "DeepSpeedEngine", "FSDP2", "FSDP1"]
 
 _EXPECTED_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_EXPECTED_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+# The Trainer's `optim` name -> the class it builds (transformers.trainer_optimizer) and, for torch's AdamW, the
+# kernel. 8-bit optimizers are recognised by their uint8 states and their bitsandbytes class.
+_EXPECTED_OPTIMIZER: dict[str, tuple[str, str | None]] = {
+    "adamw_torch": ("torch.optim.adamw.AdamW", None),
+    "adamw_torch_fused": ("torch.optim.adamw.AdamW", "fused"),
+    "adafactor": ("transformers.optimization.Adafactor", None),
+    "sgd": ("torch.optim.sgd.SGD", None),
+    "adamw_bnb_8bit": ("bitsandbytes.", None),
+    "paged_adamw_8bit": ("bitsandbytes.", None),
+}
 # Parameters held per rank may exceed total / world by padding (each ZeRO-3 partition and each FSDP2 shard is
 # rounded up); a quarter more than an even share is far below "everything" for two or more ranks.
 _SHARD_SLACK = 1.25
 
 
-@dataclass(kw_only=True)
-class VerificationRecord:
-    """What really ran in one trial, read from inside the run (see the module docstring for each source)."""
+class VerificationError(RuntimeError):
+    """What ran is not the strategy that was asked for (raised by ``hfscale.callbacks.VerificationCallback``)."""
 
-    distributed_type: str
-    """accelerate's ``DistributedType`` name: ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``DEEPSPEED``, ``FSDP``."""
-    world_size: int
-    """Processes in the process group."""
-    device: str
-    """Device type the model trained on (``cpu``, ``cuda``)."""
-    mixed_precision: str
-    """accelerate's ``mixed_precision`` (``no``, ``bf16``, ``fp16``); ``no`` under DeepSpeed, which casts itself."""
-    wrapper: Wrapper
-    """What wrapped the model the Trainer stepped."""
-    wrapper_class: str
-    """Qualified class name of that model object, for a human reading the record."""
-    zero_stage: int | None = None
-    """ZeRO stage the DeepSpeed engine runs; None without DeepSpeed."""
-    zero_offload_optimizer: bool | None = None
-    """Whether the ZeRO optimizer keeps its states (and steps) off the accelerator; None without DeepSpeed."""
-    zero_offload_param: bool | None = None
-    """Whether ZeRO-3 keeps parameters off the accelerator; None without ZeRO-3."""
-    params_total: int
-    """Parameter elements of the whole (unsharded) model, tied weights counted once."""
-    params_local_per_rank: list[int] = field(default_factory=list)
-    """Parameter elements each rank holds, in rank order."""
-    linear_layer: str | None = None
-    """Name of the ``nn.Linear`` whose output dtype was observed."""
-    linear_output_dtype: str | None = None
-    """dtype of that layer's output in the first training forward (``float32``, ``bfloat16``, ``float16``)."""
-    optimizer_class: str | None = None
-    """Qualified class name of the innermost optimizer (the one holding the states)."""
-    optimizer_wrappers: list[str] = field(default_factory=list)
-    """Class names from the Trainer's optimizer object inwards, ending with :attr:`optimizer_class`."""
-    optimizer_state_dtypes: list[str] = field(default_factory=list)
-    """Sorted dtypes of the optimizer's state tensors with more than one element (``uint8`` for 8-bit states)."""
-    gradient_checkpointing: bool = False
-    """Whether activations are recomputed in backward (the model's flag or FSDP's checkpoint wrappers)."""
-
-    @property
-    def params_local_max(self) -> int:
-        """Most parameter elements any rank holds."""
-        return max(self.params_local_per_rank, default=self.params_total)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether no rank holds every parameter element."""
-        return self.params_local_max < self.params_total
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> VerificationRecord:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def __init__(self, message: str, mismatches: list[str]) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches
+        """The mismatches, one sentence each (:func:`check`)."""
 
 
 class LinearDtypeProbe:
@@ -252,8 +226,81 @@ def _gather_ints(value: int, world_size: int) -> list[int]:
     return [int(v) for v in values]
 
 
+def _optimizer_implementation(optimizer: Any) -> str | None:
+    """``fused``, ``foreach`` or ``for-loop`` for a torch optimizer (an unset option resolved as torch's own
+    ``step`` resolves it), None for any other optimizer."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer) or not type(optimizer).__module__.startswith("torch.optim"):
+        return None
+    defaults = optimizer.defaults
+    if defaults.get("fused"):
+        return "fused"
+    foreach = defaults.get("foreach")
+    if foreach is None and "foreach" in defaults:
+        try:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+        except (ImportError, TypeError):  # a private helper; its absence leaves the kernel unread
+            return None
+    return "foreach" if foreach else "for-loop"
+
+
+def _fsdp_facts(model_wrapped: Any, model: Any, wrapper: Wrapper) -> tuple[FsdpSharding | None, bool | None]:
+    """``(sharding, cpu_offload)`` of an FSDP-wrapped model, or ``(None, None)`` where it cannot be read."""
+    if wrapper == "FSDP1":
+        strategy = getattr(getattr(model_wrapped, "sharding_strategy", None), "name", None)
+        sharding = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": "no_shard"}.get(
+            strategy or "", "hybrid_shard" if strategy and "HYBRID" in strategy else None
+        )
+        offload = getattr(getattr(model_wrapped, "cpu_offload", None), "offload_params", None)
+        return sharding, None if offload is None else bool(offload)  # type: ignore[return-value]
+    if wrapper != "FSDP2":
+        return None, None
+    # FSDP2 keeps its settings in each unit's parameter group (private attributes: read defensively). The root
+    # unit may stop resharding after forward whatever was asked (backward comes next), so the other units decide.
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+        groups = []
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    groups.append((module is model, group))
+        if not groups:
+            return None, None
+        inner = [g for is_root, g in groups if not is_root] or [g for _, g in groups]
+        offload = any(isinstance(g.offload_policy, CPUOffloadPolicy) for _, g in groups)
+        if any(isinstance(g.mesh_info, HSDPMeshInfo) for g in inner):
+            return "hybrid_shard", offload
+        reshards = any(g.post_forward_mesh_info is not None for g in inner)
+        return ("full_shard" if reshards else "shard_grad_op"), offload
+    except (ImportError, AttributeError) as exc:
+        logger.warning("FSDP2's sharding and offload could not be read (torch internals moved?): %s", exc)
+        return None, None
+
+
+def _global_batch_size(trainer: Any, model_wrapped: Any, wrapper: Wrapper, world_size: int) -> int | None:
+    if wrapper == "DeepSpeedEngine":
+        return int(model_wrapped.train_batch_size())
+    # The batch the Trainer's data loader really used (auto_find_batch_size lowers it), not the argument. The
+    # Trainer's loop accumulates over args.gradient_accumulation_steps itself (accelerate's count stays 1).
+    batch = getattr(trainer, "_train_batch_size", None) or getattr(trainer.args, "train_batch_size", None)
+    if batch is None:
+        return None
+    return int(batch) * int(trainer.args.gradient_accumulation_steps) * world_size
+
+
 def collect(
-    trainer: Trainer, probe: LinearDtypeProbe | None = None, *, params_total: int | None = None
+    trainer: Trainer,
+    probe: LinearDtypeProbe | None = None,
+    *,
+    params_total: int | None = None,
+    samples_per_step: int | None = None,
 ) -> VerificationRecord:
     """Read what ran from a Trainer after ``train()``.
 
@@ -265,6 +312,8 @@ def collect(
         params_total: parameter elements counted before the Trainer wrapped the model. FSDP1 keeps only views of
             the local shard, so after wrapping the whole size cannot be read back; ZeRO-3 and FSDP2 still give it
             (``ds_numel``, the DTensor's global size). None counts after training.
+        samples_per_step: samples per optimizer step across ranks as counted in the batches the model received
+            (``ThroughputCallback.summary.samples_per_step``); None reads the engine's and the Trainer's batch.
     """
     from accelerate.state import AcceleratorState
 
@@ -284,6 +333,9 @@ def collect(
     if params_total is not None:
         total = params_total
     world_size = int(state.num_processes)
+    fsdp_sharding, fsdp_offload = _fsdp_facts(model_wrapped, model, wrapper)
+    if samples_per_step is None:
+        samples_per_step = _global_batch_size(trainer, model_wrapped, wrapper, world_size)
     return VerificationRecord(
         distributed_type=str(getattr(state.distributed_type, "name", state.distributed_type)),
         world_size=world_size,
@@ -301,6 +353,10 @@ def collect(
         optimizer_class=_qualname(optimizer_chain[-1]) if optimizer_chain else None,
         optimizer_wrappers=[type(o).__name__ for o in optimizer_chain],
         optimizer_state_dtypes=_state_dtypes(optimizer_chain[-1]) if optimizer_chain else [],
+        optimizer_implementation=_optimizer_implementation(optimizer_chain[-1]) if optimizer_chain else None,
+        fsdp_sharding=fsdp_sharding,
+        fsdp_cpu_offload=fsdp_offload,
+        global_batch_size=samples_per_step,
         gradient_checkpointing=_gradient_checkpointing(model),
     )
 
@@ -342,8 +398,10 @@ def _shard_group_size(strategy: Strategy) -> int:
 def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> list[str]:
     """The ways ``record`` (what ran) differs from ``strategy`` (what was asked), one sentence each.
 
-    An empty list means every verifiable part of the strategy took effect. A dict (``record.to_dict()``, as
-    stored in a result row) is accepted as well.
+    An empty list means every part of the strategy took effect, as far as the record could read it (see the
+    module docstring for what is compared; a field the record holds as None is not). A dict (``record.to_dict()``,
+    as stored in a result row) is accepted as well. An unset ``strategy.optimizer`` is compared as the installed
+    transformers' default (:attr:`~hfscale.strategy.Strategy.resolved_optimizer`).
     """
     rec = VerificationRecord.from_dict(record) if isinstance(record, dict) else record
     problems: list[str] = []
@@ -380,6 +438,16 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
                 f"deepspeed.offload_param={ds.offload_param!r} was asked for"
             )
 
+    if strategy.fsdp is not None:
+        asked_sharding = strategy.fsdp.sharding
+        if rec.fsdp_sharding is not None and rec.fsdp_sharding != asked_sharding:
+            problems.append(f"FSDP runs {rec.fsdp_sharding}, fsdp.sharding={asked_sharding!r} was asked for")
+        if rec.fsdp_cpu_offload is not None and rec.fsdp_cpu_offload != strategy.fsdp.cpu_offload:
+            problems.append(
+                f"FSDP CPU offload is {rec.fsdp_cpu_offload}, "
+                f"fsdp.cpu_offload={strategy.fsdp.cpu_offload} was asked for"
+            )
+
     held = f"{rec.params_local_max:,} of {rec.params_total:,} parameter elements on the fullest rank"
     if _expects_sharded_params(strategy):
         shards = _shard_group_size(strategy)
@@ -388,6 +456,12 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
     elif rec.sharded:
         problems.append(f"parameters are sharded ({held}) but {asked!r} keeps them whole on every rank")
 
+    expected_mp = _EXPECTED_MIXED_PRECISION[strategy.precision]
+    if rec.mixed_precision != expected_mp:
+        problems.append(
+            f"accelerate ran with mixed_precision={rec.mixed_precision!r}, expected {expected_mp!r} for precision "
+            f"{strategy.precision!r}"
+        )
     expected_dtype = _EXPECTED_DTYPE[strategy.precision]
     if rec.linear_output_dtype is None:
         problems.append("no nn.Linear forward was observed, so the compute precision is unverified")
@@ -397,17 +471,14 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
             f"for precision {strategy.precision!r}"
         )
 
-    eight_bit_states = "uint8" in rec.optimizer_state_dtypes
-    if strategy.optimizer in EIGHT_BIT_OPTIMIZERS and not eight_bit_states:
+    problems += _optimizer_problems(strategy, rec)
+
+    if rec.global_batch_size is not None and rec.global_batch_size != strategy.global_batch_size:
         problems.append(
-            f"optimizer {rec.optimizer_class} holds {rec.optimizer_state_dtypes or 'no'} states, "
-            f"expected uint8 states for {strategy.optimizer!r}"
+            f"{rec.global_batch_size} samples per optimizer step across ranks ran, {strategy.global_batch_size} "
+            f"were asked for (batch {strategy.per_device_batch_size} x accumulation "
+            f"{strategy.gradient_accumulation_steps} x {strategy.num_processes} process(es))"
         )
-    elif strategy.optimizer not in EIGHT_BIT_OPTIMIZERS and eight_bit_states:
-        problems.append(f"optimizer {rec.optimizer_class} holds uint8 states, {strategy.optimizer!r} was asked for")
-    offloaded = strategy.deepspeed is not None and strategy.deepspeed.offload_optimizer != "none"
-    if offloaded and not (rec.optimizer_class or "").endswith("DeepSpeedCPUAdam"):
-        problems.append(f"optimizer offload runs {rec.optimizer_class}, expected DeepSpeed's CPU Adam")
 
     if rec.gradient_checkpointing != strategy.gradient_checkpointing:
         state = "active" if rec.gradient_checkpointing else "not active"
@@ -417,4 +488,46 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
     return problems
 
 
-__all__ = ["LinearDtypeProbe", "VerificationRecord", "Wrapper", "check", "collect", "count_parameters"]
+def _optimizer_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
+    problems = []
+    optim = strategy.resolved_optimizer
+    eight_bit_states = "uint8" in rec.optimizer_state_dtypes
+    if optim in EIGHT_BIT_OPTIMIZERS and not eight_bit_states:
+        problems.append(
+            f"optimizer {rec.optimizer_class} holds {rec.optimizer_state_dtypes or 'no'} states, "
+            f"expected uint8 states for {optim!r}"
+        )
+    elif optim not in EIGHT_BIT_OPTIMIZERS and eight_bit_states:
+        problems.append(f"optimizer {rec.optimizer_class} holds uint8 states, {optim!r} was asked for")
+    offloaded = strategy.deepspeed is not None and strategy.deepspeed.offload_optimizer != "none"
+    if offloaded:
+        # ZeRO-Offload replaces whatever was named with DeepSpeed's CPU Adam (the strategy refuses non-Adam names).
+        if not (rec.optimizer_class or "").endswith("DeepSpeedCPUAdam"):
+            problems.append(f"optimizer offload runs {rec.optimizer_class}, expected DeepSpeed's CPU Adam")
+        return problems
+    expected = _EXPECTED_OPTIMIZER.get(optim)
+    if expected is None or rec.optimizer_class is None:
+        return problems  # a name this table does not know (a newer transformers default), or an old record
+    expected_class, expected_kernel = expected
+    if not rec.optimizer_class.startswith(expected_class):
+        problems.append(f"optimizer {rec.optimizer_class} ran, {optim!r} builds {expected_class.rstrip('.')}")
+    elif rec.optimizer_implementation is not None:
+        if expected_kernel == "fused" and rec.optimizer_implementation != "fused":
+            problems.append(
+                f"optimizer {rec.optimizer_class} runs its {rec.optimizer_implementation} kernel, "
+                f"{optim!r} asks for fused"
+            )
+        elif expected_kernel is None and optim == "adamw_torch" and rec.optimizer_implementation == "fused":
+            problems.append(f"optimizer {rec.optimizer_class} runs its fused kernel, {optim!r} is the unfused one")
+    return problems
+
+
+__all__ = [
+    "LinearDtypeProbe",
+    "VerificationError",
+    "VerificationRecord",
+    "Wrapper",
+    "check",
+    "collect",
+    "count_parameters",
+]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's sweeps take turns on the device locks of this session only, not with other sweeps on the machine.
+os.environ.setdefault("HFSCALE_LOCK_DIR", tempfile.mkdtemp(prefix="hfscale-test-locks-"))
 
 
 def _cuda_device_count() -> int:
@@ -56,3 +59,82 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(**TINY_GPT2))
+
+
+@pytest.fixture
+def malloc_in_use():
+    """A function giving the bytes glibc's allocator holds now (``mallinfo2``: every CPU tensor is a malloc), to
+    measure what CPU tensors hold without torch's help (torch keeps no CPU allocator statistics)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                "keepcost",
+            )
+        ]  # fmt: skip
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    fn.restype = MallInfo2
+
+    def in_use() -> int:
+        info = fn()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
+# -- one real tiny sweep, shared by the sweep, report, parity and estimate tests ----------------------------------
+
+TINY_SWEEP_RECIPE = {
+    "name": "tiny",
+    "description": "the test suite's shared sweep: tiny BERT, 32 tokens, 4 steps, one process",
+    "device": "cpu",
+    "model": {"type": "bert", "task": "classification", "config": dict(TINY_BERT)},
+    "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
+    "training_args": {"report_to": "none", "seed": 0},
+    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 120},
+    "run": {"env": {"OMP_NUM_THREADS": "1"}},
+    "baseline": "fp32",
+    "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
+    "trials": [
+        {"name": "fp32"},
+        {"name": "bf16", "precision": "bf16"},
+        {"name": "ckpt", "gradient_checkpointing": True, "measure": {"repeats": 2}},
+        # Half a GiB of address space: the launcher cannot even map torch's libraries (a real, fast OOM).
+        {"name": "oom", "run": {"memory_limit_gib": 0.5}},
+        # Planned for two machines: skipped before launching, with the reason.
+        {"name": "two-machines", "num_machines": 2, "num_processes": 2},
+    ],
+}
+"""Trials: fp32 (the baseline), bf16, gradient checkpointing (two repeats), one out of memory, one skipped."""
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep_run(tmp_path_factory: pytest.TempPathFactory):
+    """The run folder of ONE real sweep of :data:`TINY_SWEEP_RECIPE` (no report written: tests write their own).
+
+    Treat it as read-only (copy it to change it): every test of the session sees the same folder.
+    """
+    import yaml
+
+    from hfscale.sweep import run_sweep
+
+    root = tmp_path_factory.mktemp("tiny-sweep")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(TINY_SWEEP_RECIPE), encoding="utf-8")
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        run_sweep(recipe, run_dir=root / "run", report=False, progress=lambda line: None)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+    return root / "run"

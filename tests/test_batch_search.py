@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import resource
-import subprocess
-import sys
-
 import pytest
 
 from hfscale.batch_search import (
     BatchSearchResult,
     ProbeOutcome,
     find_max_batch,
-    looks_like_oom,
+    probe_spec,
+    search_key,
+    search_trial,
     suggest_start_batch,
+    why_not_searched,
 )
 from hfscale.estimate import estimate_memory
 from hfscale.spec import DataSpec, ModelSpec, TrialSpec
@@ -80,7 +78,7 @@ def test_an_error_stops_the_search_with_its_reason():
     assert result.max_batch_size == 20
     assert result.stopped_reason == "batch 40: RuntimeError: NCCL timeout"
     assert calls == [10, 20, 40]
-    assert [p["status"] for p in result.to_dict()["probes"]] == ["fits", "fits", "error"]
+    assert [p.outcome.status for p in result.probes] == ["fits", "fits", "error"]
 
 
 def test_multiple_of_stops_at_the_granularity():
@@ -107,96 +105,65 @@ def test_suggested_start_is_what_the_estimate_says_fits():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# real training steps under RLIMIT_AS
+# one trial's search, as the sweep runs it, with a scripted probe launcher
 # ---------------------------------------------------------------------------------------------------------------
 
-_TRAIN_STEP = r"""
-import re, sys, time
-import torch
-torch.set_num_threads(1)
-torch.manual_seed(0)
-layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=2, dim_feedforward=128, dropout=0.1, batch_first=True)
-model = torch.nn.ModuleDict({
-    "embed": torch.nn.Embedding(1000, 64),
-    "encoder": torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
-    "head": torch.nn.Linear(64, 2),
-})
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for batch in map(int, sys.argv[1:]):  # several sizes in one process only to calibrate
-    ids = torch.randint(0, 1000, (batch, 256))
-    labels = torch.randint(0, 2, (batch,))
-    start = time.perf_counter()
-    for _ in range(2):
-        hidden = model["encoder"](model["embed"](ids))
-        loss = torch.nn.functional.cross_entropy(model["head"](hidden[:, 0]), labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    elapsed = time.perf_counter() - start
-    peak = re.search(r"VmPeak:\s+(\d+) kB", open("/proc/self/status").read()).group(1)
-    print(f"batch={batch} samples_per_s={2 * batch / elapsed:.3f} vm_peak_kb={peak}")
-"""
+
+def _trial_row(status: str = "ok", *, batch: int = 4, samples_per_s: float | None = None):
+    from hfscale.results import TrialResult
+
+    strategy = Strategy(name="t", device="cpu", per_device_batch_size=batch)
+    return TrialResult(trial="t", strategy=strategy, status=status, reason=None if status == "ok" else "why")
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # one thread, one arena, and every large block mmapped (freed at once): the address space follows live tensors
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536")
-    return env
+def _spec(batch: int = 4) -> TrialSpec:
+    return TrialSpec(
+        name="t",
+        strategy=Strategy(name="t", device="cpu", per_device_batch_size=batch),
+        model=ModelSpec(type="bert", task="classification", config={"hidden_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 1000}),
+        data=DataSpec(num_samples=64, seq_len=32),
+    )  # fmt: skip
 
 
-def _run_step(*batches: int, cap_bytes: int | None) -> subprocess.CompletedProcess:
-    def limit() -> None:
-        if cap_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+def test_search_trial_counts_the_trials_own_run_and_sizes_each_probe():
+    launched: list[TrialSpec] = []
 
-    return subprocess.run(
-        [sys.executable, "-c", _TRAIN_STEP, *map(str, batches)],
-        capture_output=True,
-        text=True,
-        env=_child_env(),
-        preexec_fn=limit,
-        timeout=120,
-        check=False,
-    )
+    def launch(spec: TrialSpec) -> ProbeOutcome:
+        launched.append(spec)
+        fits = spec.strategy.per_device_batch_size <= 12
+        return ProbeOutcome(status="fits", samples_per_s=1.0) if fits else ProbeOutcome(status="oom", reason="oom")
 
+    record = search_trial(_spec(4), _trial_row("oom"), launch, budget_bytes=None, upper_limit=64, probe_steps=2)
+    assert record.searched and record.start_from == "the trial's batch size"
+    assert record.result.max_batch_size is None or record.result.max_batch_size <= 12
+    # The trial's own run (out of memory at 4) was the first probe: only smaller sizes were launched.
+    assert record.trial_run_batch_size == 4 and all(s.strategy.per_device_batch_size < 4 for s in launched)
+    for spec in launched:
+        assert spec.measure.max_steps == spec.measure.warmup_steps + 2
+        assert spec.data.num_samples == spec.strategy.per_device_batch_size * spec.measure.max_steps
 
-def _fields(line: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (item.split("=") for item in line.split())}
-
-
-def _rlimit_probe(cap_bytes: int):
-    def probe(batch: int) -> ProbeOutcome:
-        proc = _run_step(batch, cap_bytes=cap_bytes)
-        if proc.returncode == 0:
-            return ProbeOutcome(status="fits", samples_per_s=_fields(proc.stdout)["samples_per_s"])
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return ProbeOutcome(status="oom" if looks_like_oom(proc.stderr) else "error", reason=last)
-
-    return probe
+    launched.clear()
+    record = search_trial(_spec(4), _trial_row("crashed"), launch, budget_bytes=None, upper_limit=64, probe_steps=2)
+    assert record.result.max_batch_size == 12 and record.result.first_oom_batch_size == 13
+    assert record.trial_run_batch_size is None and launched[0].strategy.per_device_batch_size == 4
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
-def test_search_finds_the_real_limit_under_a_memory_cap():
-    # calibrate: address space of training steps at batch 1, then 2, without a cap
-    proc = _run_step(1, 2, cap_bytes=None)
-    assert proc.returncode == 0, proc.stderr
-    vm = {int(f["batch"]): f["vm_peak_kb"] * 1024 for f in map(_fields, proc.stdout.splitlines())}
-    per_sample = vm[2] - vm[1]
-    assert per_sample > 1024**2, "a sample should cost megabytes (s^2 attention scores)"
-    cap = int(vm[1] + 11.5 * per_sample)
-
-    result = find_max_batch(_rlimit_probe(cap), start=8, upper_limit=64)
-    assert result.stopped_reason is None, result.to_dict()
-    limit = result.max_batch_size
-    assert limit is not None and 2 <= limit < 64, result.to_dict()
-    _assert_bracketed(result, limit)
-    oom_reasons = [p.outcome.reason for p in result.probes if p.outcome.status == "oom"]
-    assert oom_reasons and all("can't allocate memory" in r for r in oom_reasons), oom_reasons
+def test_why_not_searched():
+    assert why_not_searched(_trial_row("ok"), predicted_oom=False) is None
+    assert why_not_searched(_trial_row("oom"), predicted_oom=False) is None
+    assert why_not_searched(_trial_row("skipped"), predicted_oom=True) is None
+    assert why_not_searched(_trial_row("skipped"), predicted_oom=False) == "skipped: why"
+    assert why_not_searched(_trial_row("timeout"), predicted_oom=False) == "the trial ended timeout"
 
 
-def test_looks_like_oom():
-    assert looks_like_oom("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
-    assert looks_like_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert not looks_like_oom("RuntimeError: shape mismatch")
+def test_trials_that_differ_only_in_their_batch_share_a_search_key():
+    from hfscale.recipe import RecipeTrial, RunSpec
+
+    def trial(spec: TrialSpec) -> RecipeTrial:
+        return RecipeTrial(spec=spec, run=RunSpec())
+
+    base = _spec(4)
+    assert search_key(trial(base)) == search_key(trial(probe_spec(base, 32, probe_steps=5)))
+    other = base.__class__(**{**base.__dict__, "strategy": base.strategy.replace(gradient_checkpointing=True)})
+    assert search_key(trial(base)) != search_key(trial(other))

@@ -29,6 +29,7 @@ import yaml
 from hfscale.configs import (
     ACCELERATE_FILE,
     DEEPSPEED_FILE,
+    STRATEGY_FILE,
     TRAINING_ARGS_FILE,
     accelerate_config,
     deepspeed_config,
@@ -200,7 +201,8 @@ def test_golden_files(name: str, tmp_path: Path) -> None:
     out = tmp_path / name
     generated = write_configs(case.strategy, out, **case.write)
     written = sorted(p.name for p in out.iterdir())
-    expected_files = [ACCELERATE_FILE, TRAINING_ARGS_FILE] + ([DEEPSPEED_FILE] if case.strategy.deepspeed else [])
+    expected_files = [ACCELERATE_FILE, TRAINING_ARGS_FILE, STRATEGY_FILE]
+    expected_files += [DEEPSPEED_FILE] if case.strategy.deepspeed else []
     assert written == sorted(expected_files)
     assert (generated.deepspeed_json is not None) == (case.strategy.deepspeed is not None)
     golden = GOLDEN_DIR / name
@@ -436,7 +438,9 @@ def test_training_args_are_accepted_by_transformers(case: Case, tmp_path: Path, 
     args = training_arguments(kwargs, tmp_path)
     assert args.fp16 is (strategy.precision == "fp16")
     assert args.bf16 is (strategy.precision == "bf16")
-    assert args.optim.value == strategy.optimizer
+    # Unset, `optim` is left out of the generated arguments and the Trainer's own default runs.
+    assert ("optim" in kwargs) == (strategy.optimizer is not None)
+    assert args.optim.value == strategy.resolved_optimizer
     assert args.per_device_train_batch_size == strategy.per_device_batch_size
     assert args.gradient_accumulation_steps == strategy.gradient_accumulation_steps
     if strategy.device == "cpu":
@@ -694,3 +698,52 @@ def test_generated_two_machine_config_joins_ranks_across_machines(tmp_path: Path
 
 def test_python_in_launch_command_defaults_to_this_interpreter() -> None:
     assert launch_command("c.yaml", ["t.py"])[0] == sys.executable
+
+
+# -- what a user's own script needs ----------------------------------------------------------------------------
+
+
+def test_strategy_json_reads_back_the_strategy(tmp_path: Path) -> None:
+    from hfscale.configs import read_strategy
+
+    s = Strategy(name="z3", device="cpu", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=3, offload_param="cpu"))
+    generated = write_configs(s, tmp_path)
+    assert generated.strategy_json == tmp_path.resolve() / STRATEGY_FILE
+    assert read_strategy(tmp_path) == s == read_strategy(generated.strategy_json)
+    (tmp_path / STRATEGY_FILE).write_text("[1]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        read_strategy(tmp_path)
+
+
+def test_zero3_on_cpu_leaves_the_global_batch_to_deepspeed() -> None:
+    """A model built after TrainingArguments is built under zero.Init, which on CPU reads the JSON in a world of one:
+    a filled-in train_batch_size (batch x processes) then fails DeepSpeed's batch check."""
+    cpu = deepspeed_config(Strategy(device="cpu", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=3)))
+    assert "train_batch_size" not in cpu and cpu["train_micro_batch_size_per_gpu"] == "auto"
+    for s in (
+        Strategy(num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=3)),
+        Strategy(device="cpu", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=2)),
+    ):
+        assert deepspeed_config(s)["train_batch_size"] == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fsdp_line"),
+    [
+        (["--device", "cpu", "--fsdp", "--num-processes", "2"], True),
+        (["--device", "cpu", "--fsdp", "--fsdp-layer-cls", "BertLayer"], True),
+        (["--fsdp", "--num-processes", "2", "--fsdp-layer-cls", "LlamaDecoderLayer"], False),
+        (["--device", "cpu", "--zero-stage", "3", "--num-processes", "2"], False),
+    ],
+)
+def test_cli_prints_the_lines_a_user_script_needs(
+    argv: list[str], fsdp_line: bool, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from hfscale import fsdp_cpu
+
+    assert config_main([*argv, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert (f"\n  {fsdp_cpu.SCRIPT_LINE}\n" in printed) is fsdp_line
+    assert f"attach(trainer, VerificationCallback({str(tmp_path.resolve())!r}))" in printed
+    assert str(tmp_path.resolve() / STRATEGY_FILE) in printed
+    assert ("no --fsdp-layer-cls" in printed) is ("--fsdp" in argv and "--fsdp-layer-cls" not in argv)

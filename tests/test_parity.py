@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hfscale.parity import annotate_rows, check_parity, smooth
-from hfscale.results import TrialResult
+from hfscale.results import TrialOutcome, TrialResult
 from hfscale.strategy import Strategy
 
 FLAT = [0.69 + 0.01 * math.sin(i) for i in range(30)]
@@ -69,12 +69,13 @@ def test_smooth_is_a_centred_mean():
 
 
 def _row(name: str, curve: list[float], *, baseline: bool = False, status: str = "ok", **strategy) -> TrialResult:
+    measured = TrialOutcome(trial=name, status="ok", loss_curve=curve) if status == "ok" else None
     return TrialResult(
         trial=name,
-        strategy=Strategy(name=name, device="cpu", **strategy).to_dict(),
+        strategy=Strategy(name=name, device="cpu", **strategy),
         status=status,
         is_baseline=baseline,
-        loss_curve=curve,
+        measured=measured,
     )
 
 
@@ -89,21 +90,21 @@ def test_annotate_rows():
         _row("failed", [], status="oom"),
     ]
     annotate_rows(rows)
-    parity = {r.trial: r.extra.get("parity") for r in rows}
-    assert parity["base"]["is_baseline"]
-    assert parity["same"]["compared"] and not parity["same"]["flagged"]
-    assert parity["broken"]["flagged"] and parity["broken"]["baseline"] == "base"
-    assert not parity["acc2"]["flagged"] and parity["acc2"]["loss_scale"] == 2 and "x2" in parity["acc2"]["note"]
-    assert parity["acc2-3x"]["flagged"] and parity["acc2-3x"]["loss_scale"] == 1  # 3 is not a known scale here
-    assert not parity["bigger"]["compared"] and "global batch 16" in parity["bigger"]["reason"]
+    parity = {r.trial: r.parity for r in rows}
+    assert parity["base"].is_baseline
+    assert parity["same"].compared and not parity["same"].flagged
+    assert parity["broken"].flagged and parity["broken"].baseline == "base"
+    assert not parity["acc2"].flagged and parity["acc2"].loss_scale == 2 and "x2" in parity["acc2"].note
+    assert parity["acc2-3x"].flagged and parity["acc2-3x"].loss_scale == 1  # 3 is not a known scale here
+    assert not parity["bigger"].compared and "global batch 16" in parity["bigger"].reason
     assert parity["failed"] is None
 
 
 def test_annotate_rows_without_a_finished_baseline():
     rows = [_row("base", [], baseline=True, status="crashed"), _row("other", FLAT)]
     annotate_rows(rows)
-    assert rows[1].extra["parity"]["compared"] is False
-    assert "did not finish" in rows[1].extra["parity"]["reason"]
+    assert rows[1].parity.compared is False
+    assert "did not finish" in rows[1].parity.reason
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,14 +152,14 @@ def test_real_runs_broken_learning_rate_is_flagged(tmp_path, caplog):
     ]
     with caplog.at_level(logging.WARNING, logger="hfscale.parity"):
         annotate_rows(rows)
-    parity = {r.trial: r.extra["parity"] for r in rows}
-    assert not parity["bf16"]["flagged"], parity["bf16"]
-    assert parity["bf16"]["max_rel_deviation"] < 0.02
+    parity = {r.trial: r.parity for r in rows}
+    assert not parity["bf16"].flagged, parity["bf16"]
+    assert parity["bf16"].max_rel_deviation < 0.02
     # another micro-batching of the same global batch: transformers logs BERT's loss summed over micro-batches
-    assert not parity["acc2"]["flagged"], parity["acc2"]
-    assert parity["acc2"]["loss_scale"] == 2
-    assert parity["lr10"]["flagged"], parity["lr10"]
-    assert parity["lr10"]["max_rel_deviation"] > 1.0
+    assert not parity["acc2"].flagged, parity["acc2"]
+    assert parity["acc2"].loss_scale == 2
+    assert parity["lr10"].flagged, parity["lr10"]
+    assert parity["lr10"].max_rel_deviation > 1.0
     assert "lr10" in caplog.text
 
 
@@ -172,10 +173,10 @@ def _h100_rows() -> list[TrialResult]:
     return [
         TrialResult(
             trial=t["trial"],
-            strategy=t["strategy"],
+            strategy=Strategy.from_dict(t["strategy"]),
             status="ok",
             is_baseline=t["is_baseline"],
-            loss_curve=t["loss_curve"],
+            measured=TrialOutcome(trial=t["trial"], status="ok", loss_curve=t["loss_curve"]),
         )
         for t in data["trials"]
     ]
@@ -188,15 +189,15 @@ def test_h100_noisy_curves_pass_and_accumulation_is_rescaled():
     fp16 = next(r for r in rows if r.trial == "bs4-fp16").loss_curve
     assert check_parity(base, fp16, noise_k=0).flagged
     annotate_rows(rows)
-    parity = {r.trial: r.extra["parity"] for r in rows}
+    parity = {r.trial: r.parity for r in rows}
     for name in ("bs4-fp16", "bs4-bf16", "zero2-bf16", "zero3-bf16", "bs4-adam8bit", "bs4-adafactor"):
-        assert parity[name]["compared"] and not parity[name]["flagged"], (name, parity[name]["reason"])
-        assert parity[name]["loss_scale"] == 1
+        assert parity[name].compared and not parity[name].flagged, (name, parity[name].reason)
+        assert parity[name].loss_scale == 1
     for name in ("bs1-acc4", "bs1-acc4-ckpt", "bs1-acc4-ckpt-fp16", "bs1-acc4-ckpt-fp16-adam8bit"):
-        assert parity[name]["loss_scale"] == 4 and "x4" in parity[name]["note"], (name, parity[name])
-        assert not parity[name]["flagged"], (name, parity[name]["reason"])
-        assert abs(parity[name]["mean_rel_deviation"]) < 0.05
-    assert parity["bs4-fp16"]["noise"] > 0.1  # the baseline's measured step noise (random labels, batch 4)
+        assert parity[name].loss_scale == 4 and "x4" in parity[name].note, (name, parity[name])
+        assert not parity[name].flagged, (name, parity[name].reason)
+        assert abs(parity[name].mean_rel_deviation) < 0.05
+    assert parity["bs4-fp16"].noise > 0.1  # the baseline's measured step noise (random labels, batch 4)
 
 
 def test_h100_noise_does_not_hide_a_real_departure():
@@ -216,3 +217,21 @@ def test_h100_noise_does_not_hide_a_real_departure():
     acc4 = next(r for r in rows if r.trial == "bs1-acc4")
     result = check_parity(base, acc4.loss_curve)
     assert result.flagged and result.worst_step is not None and result.max_rel_deviation > 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shared real sweep: the parity the sweep stored is what the curves give
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_parity_stored_by_the_sweep_is_what_its_curves_give(tiny_sweep_run):
+    import dataclasses
+
+    from hfscale.run_folder import RunFolder
+
+    rows = RunFolder(tiny_sweep_run).rows()
+    stored = {r.key: r.parity for r in rows}
+    assert stored[("fp32", 0)].is_baseline and stored[("bf16", 0)].compared
+    again = [dataclasses.replace(r, parity=None) for r in rows]
+    annotate_rows(again)  # what a reader computes for rows that carry none
+    assert {r.key: r.parity for r in again} == stored

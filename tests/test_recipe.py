@@ -171,6 +171,32 @@ def test_launch_counts_that_break_a_strategy_name_the_trial(tmp_path):
             r"x\.yaml: trials\[0\]: strategy\.deepspeed and strategy\.fsdp are both set",
         ),
         ({"trials": [{"name": "a b"}]}, r"x\.yaml: trials\[0\]: strategy\.name: 'a b' must be non-empty letters"),
+        # Issue 11, items 5, 11 and 12: refused when the recipe loads, not when a trial runs (or writes elsewhere).
+        ({"name": "../../x"}, r"/x\.yaml: name: '\.\./\.\./x' is not a plain folder name \(it names the run folder"),
+        ({"name": "/x"}, r"/x\.yaml: name: '/x' is not a plain folder name"),
+        ({"name": ".."}, r"/x\.yaml: name: '\.\.' is not a plain folder name"),
+        ({"trials": [{"name": ".."}]}, r"/x\.yaml: trials\[0\]: strategy\.name: '\.\.' must be .* not only dots"),
+        ({"trials": [{"name": "."}]}, r"/x\.yaml: trials\[0\]: strategy\.name: '\.' must be"),
+        (
+            {"model": {"type": "bertt"}},
+            r"/x\.yaml: model\.type: unknown model type 'bertt' \(did you mean 'bert'.*expected a transformers model",
+        ),
+        (
+            {"data": {"token_high": 40000}},
+            r"/x\.yaml: data\.token_high: data\.token_high=40000 exceeds the model's vocab_size=30522",
+        ),
+        (
+            {"model": {"type": "gpt2", "config": {"vocab_size": 1000}}},
+            r"/x\.yaml: data\.token_high: data\.token_high=30000 exceeds the model's vocab_size=1000",
+        ),
+        (
+            {"training_args": {"auto_find_batch_size": True}},
+            r"/x\.yaml: training_args\.auto_find_batch_size: refused: after an out-of-memory error the Trainer halves",
+        ),
+        (
+            {"trials": [{"name": "a", "training_args": {"auto_find_batch_size": True}}]},
+            r"/x\.yaml: trials\[0\]\.training_args\.auto_find_batch_size: refused: .*--find-max-batch",
+        ),
         ({"trials": [], "matrix": None}, r"x\.yaml: no trials: give a `trials:` list and/or a `matrix:`"),
         ({"baseline": "nope"}, r"x\.yaml: baseline: 'nope' is not a trial; trials are fp32, bf16"),
         (
@@ -188,6 +214,12 @@ def test_launch_counts_that_break_a_strategy_name_the_trial(tmp_path):
 def test_errors_name_the_file_and_the_key_path(tmp_path, changes, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(write(tmp_path, with_(**changes)))
+
+
+def test_plain_names_and_an_explicit_false_auto_find_batch_size_load(tmp_path):
+    recipe = load_recipe(write(tmp_path, with_(name="my-run_2.x", training_args={"auto_find_batch_size": False})))
+    assert recipe.name == "my-run_2.x"
+    assert recipe.trials[0].spec.training_args == {"auto_find_batch_size": False}
 
 
 def test_duplicate_names_are_rejected_explicit_and_from_the_matrix(tmp_path):

@@ -1,14 +1,18 @@
-"""Every recipe shipped in recipes/ loads and validates (recipes are data: nothing imports them)."""
+"""Every shipped recipe loads and validates, and what ships is what the checkout's recipes/ holds (recipes are
+data: read with yaml.safe_load, never imported)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from hfscale.catalog import RECIPES_DIR, recipe_names, resolve_recipe, shipped_recipe, shipped_recipes
 from hfscale.recipe import load_recipe
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+CHECKOUT_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = sorted(CHECKOUT_RECIPES.glob("*.yaml"))
 
 
 def test_recipes_are_shipped():
@@ -16,9 +20,29 @@ def test_recipes_are_shipped():
     assert {"bert_large", "cpu_small", "gpt2_causal"} <= names
 
 
+def test_the_shipped_list_is_the_recipes_folder():
+    # The package lists exactly the checkout's files, byte for byte (also when hfscale is installed from a wheel).
+    assert recipe_names() == [p.stem for p in RECIPES]
+    for path in RECIPES:
+        assert shipped_recipe(path.stem).read_bytes() == path.read_bytes()
+    # The checkout's recipes/ is the package's folder, not a copy that could drift.
+    assert CHECKOUT_RECIPES.resolve() == (CHECKOUT_RECIPES.parent / "hfscale" / "recipes").resolve()
+    listed = shipped_recipes()
+    assert [r.name for r in listed] == recipe_names()
+    for entry in listed:
+        recipe = load_recipe(entry.path)
+        assert entry.path.parent == RECIPES_DIR
+        assert entry.trial_count == len(recipe.trials) > 0
+        assert entry.description and entry.device == recipe.device
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipe_loads_and_validates(path):
-    recipe = load_recipe(path)
+def test_recipe_loads_and_validates(path, tmp_path, monkeypatch):
+    # By name, from a folder without recipe files, as an installed user runs it; the same recipe as its path.
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(path.stem)
+    assert resolve_recipe(path.stem) == shipped_recipe(path.stem)
+    assert dataclasses.replace(load_recipe(path), path=recipe.path) == recipe
     assert recipe.trials, f"{path.name}: no trials"
     assert recipe.baseline in recipe.trial_names
     assert len(set(recipe.trial_names)) == len(recipe.trial_names)
@@ -30,7 +54,7 @@ def test_recipe_loads_and_validates(path):
 
 
 def test_bert_large_reproduces_the_reference_setup():
-    recipe = load_recipe(next(p for p in RECIPES if p.stem == "bert_large"))
+    recipe = load_recipe("bert_large")
     config = recipe.model.config
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (1024, 24, 16)
     assert config["intermediate_size"] == 4096

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_report import ENV, constructed_rows, write_run
+from report_helpers import ENV, constructed_rows, write_run
 
 from hfscale import report
 

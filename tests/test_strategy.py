@@ -166,4 +166,17 @@ def test_describe_and_global_batch() -> None:
         deepspeed=ds(zero_stage=3, offload_optimizer="cpu"),
     )
     assert s.global_batch_size == 32
-    assert s.describe() == "bf16, adamw_torch, ZeRO-3 offload(opt->cpu), bs 4 x acc 2 x 4 proc"
+    assert s.describe() == "bf16, default optimizer, ZeRO-3 offload(opt->cpu), bs 4 x acc 2 x 4 proc"
+    assert s.replace(optimizer="adamw_torch").describe().startswith("bf16, adamw_torch, ZeRO-3")
+
+
+def test_unset_optimizer_is_the_installed_trainers_default() -> None:
+    """A user who names no optimizer gets TrainingArguments' default (adamw_torch_fused in transformers 5): the
+    baseline must be that, read from the installed version, not a name hfscale picked."""
+    from transformers import TrainingArguments
+
+    trainer_default = TrainingArguments(output_dir="unused", use_cpu=True).optim.value
+    assert Strategy().optimizer is None
+    assert Strategy().resolved_optimizer == trainer_default
+    assert Strategy(optimizer="adamw_torch").resolved_optimizer == "adamw_torch"
+    assert Strategy.from_dict(Strategy().to_dict()) == Strategy()

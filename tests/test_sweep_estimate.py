@@ -1,15 +1,15 @@
-"""The sweep with the memory estimate, predicted-OOM skipping, the largest-batch search and loss parity wired in.
+"""The sweep with the memory estimate, predicted-OOM skipping and the largest-batch search wired in.
 
-Fast tests run no trial process (every trial is skipped, or only the plan is built); the ``slow`` ones run real
-one-process CPU sweeps: a tiny BERT whose rows carry estimates and whose report compares them with the measured
-peak, a trial with a learning rate of 10 that the loss check must flag (and a baseline and a legitimate variant it
-must not), and a largest-batch search under an address-space limit (``run.memory_limit_gib``, RLIMIT_AS).
+Fast tests run no trial process (every trial is skipped, or only the plan is built) or read the session's shared
+tiny sweep (``tiny_sweep_run``: its rows carry the estimate made before each trial ran); the ``slow`` one runs a
+largest-batch search under an address-space limit (``run.memory_limit_gib``, RLIMIT_AS). How the report renders
+estimates, parity and searches is tested with the report (tests/test_report.py), from the same shared sweep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -17,20 +17,13 @@ from typing import Any
 import pytest
 import yaml
 
-from hfscale import report
+from hfscale.batch_search import probe_spec
 from hfscale.estimate import estimate_memory
+from hfscale.plan import SweepError, SweepSettings, estimate_runs, plan_runs
 from hfscale.recipe import RecipeError, load_recipe, parse_recipe
-from hfscale.results import TrialResult, read_results
-from hfscale.strategy import Strategy
-from hfscale.sweep import (
-    SweepError,
-    SweepSettings,
-    estimate_runs,
-    main,
-    plan_runs,
-    probe_spec,
-    run_sweep,
-)
+from hfscale.run_folder import RunFolder, read_results
+from hfscale.sweep import run_sweep
+from hfscale.sweep_cli import main
 
 GIB = 2**30
 MIB = 2**20
@@ -65,26 +58,10 @@ def tiny_recipe(**over: Any) -> dict[str, Any]:
         "measure": {"warmup_steps": 1, "max_steps": 8, "timeout_s": 300},
         "run": {"env": {"OMP_NUM_THREADS": "1"}},
         "baseline": "fp32",
-        "defaults": {"per_device_batch_size": 4, "num_processes": 1},
+        "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
         "trials": [{"name": "fp32"}, {"name": "big", "per_device_batch_size": 512}],
         **over,
     }
-
-
-def md_table(text: str, heading: str) -> list[dict[str, str]]:
-    """The first Markdown table under ``## heading``, one dict per row keyed by header."""
-    lines = text.split(f"## {heading}\n", 1)[1].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    table = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        table.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
-    return [dict(zip(table[0], row, strict=True)) for row in table[2:]]
-
-
-def json_lines(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
 # -- recipe: per-trial training arguments --------------------------------------------------------------------------
@@ -125,7 +102,7 @@ def test_every_run_carries_its_estimate_and_only_those_over_the_budget_are_skipp
     runs = plan_runs(recipe.trials, gpu_count=0, num_machines=1)
 
     plain = estimate_runs(runs)
-    assert [r.estimate for r in plain] == [small.to_dict(), big.to_dict()]
+    assert [r.estimate for r in plain] == [small, big]
     assert all(r.skip_reason is None and not r.predicted_oom for r in plain)
 
     budget = int((small.total_gib + big.total_gib) / 2 * GIB)  # CPU: no reserve on top of the estimate
@@ -139,41 +116,40 @@ def test_every_run_carries_its_estimate_and_only_those_over_the_budget_are_skipp
         estimate_runs(runs, skip_predicted_oom=True)
 
 
-def test_a_model_the_estimator_cannot_build_is_launched_without_an_estimate():
-    recipe = parse_recipe(tiny_recipe(model={"type": "no-such-model", "task": "classification"}))
+def test_a_trial_the_estimator_cannot_model_is_launched_without_an_estimate(monkeypatch):
+    import hfscale.estimate
+
+    def cannot(spec, *args, **kwargs):
+        raise ValueError(f"optimizer {spec.strategy.optimizer!r}: no memory model")
+
+    monkeypatch.setattr(hfscale.estimate, "estimate_memory", cannot)
+    monkeypatch.setattr(hfscale.estimate, "predict_fit", cannot)
+    recipe = parse_recipe(tiny_recipe())
     runs = estimate_runs(
         plan_runs(recipe.trials, gpu_count=0, num_machines=1), budget_bytes=MIB, skip_predicted_oom=True
     )
-    assert all(r.estimate is None and r.skip_reason is None and r.estimate_error for r in runs)
+    assert all(r.estimate is None and r.skip_reason is None for r in runs)
+    assert runs[0].estimate_error == "ValueError: optimizer 'adamw_torch': no memory model"
 
 
-def test_skip_predicted_oom_launches_nothing_and_the_report_shows_the_prediction(tmp_path):
+def test_skip_predicted_oom_launches_nothing_and_records_the_prediction(tmp_path):
     recipe = _recipe(tmp_path, tiny_recipe())
     run = tmp_path / "run"
     settings = SweepSettings(memory_budget_bytes=MIB, skip_predicted_oom=True)
-    outcome = run_sweep(recipe, run_dir=run, settings=settings, progress=lambda line: None)
+    outcome = run_sweep(recipe, run_dir=run, settings=settings, report=False, progress=lambda line: None)
 
     specs = {t.name: t.spec for t in load_recipe(recipe).trials}
     rows = read_results(run)
     assert [r.status for r in rows] == ["skipped", "skipped"]
     for row in rows:
         predicted = estimate_memory(specs[row.trial])
-        assert row.estimate == predicted.to_dict()
+        assert row.estimate == predicted
         assert row.reason.startswith("predicted out of memory: ")
         assert f"{predicted.total_gib:.2f} GiB peak per device > budget 0.00 GiB" in row.reason
-        assert row.exit_code is None and row.wall_time_s is None
-    assert not (run / "trials").exists()  # no trial was launched: not even its configs were written
+        assert row.exit_code is None and row.wall_time_s is None and row.launch is None
+    # No trial was launched: not even its configs were written (the folder itself is checked writable first).
+    assert not (run / "trials").exists() or not any((run / "trials").iterdir())
     assert outcome.rows == rows
-
-    md = (run / "report.md").read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
-    for row in rows:
-        cells = table[row.trial]
-        assert cells["predicted peak (GiB)"] == f"{row.estimate['total_gib']:.3f}"
-        assert cells["peak memory (GiB)"] == "—" and cells["prediction error (%)"] == "—"
-        assert cells["status"].startswith("skipped: predicted out of memory")
-    # The sweep's budget is the report's: nothing ran, so nothing is recommended, and the budget is named.
-    assert "nothing can be recommended" in md
     env = json.loads((run / "environment.json").read_text(encoding="utf-8"))
     assert env["sweep"]["memory_budget_bytes"] == MIB and env["sweep"]["skip_predicted_oom"] is True
 
@@ -197,7 +173,7 @@ def test_cli_help_and_bad_budget(capsys):
         main(["r.yaml", "--memory-budget", "80"])
     assert "cannot read '80' as a memory size" in capsys.readouterr().err
     assert main(["r.yaml", "--find-max-batch", "--probe-steps", "1"]) == 2
-    assert "--probe-steps must be at least 2, got 1" in capsys.readouterr().err
+    assert "hfscale sweep: error: --probe-steps must be at least 2, got 1" in capsys.readouterr().err
 
 
 def test_dry_run_shows_each_trials_predicted_peak_and_what_would_be_skipped(tmp_path, capsys):
@@ -228,111 +204,20 @@ def test_a_probe_trains_full_batches_for_its_few_steps():
     assert probe.model == spec.model and probe.training_args == spec.training_args
 
 
-# -- loss parity in the report, from the rows' curves ----------------------------------------------------------------
+# -- the shared real sweep's rows carry the estimate made before they ran --------------------------------------------
 
 
-def _row(name: str, curve: list[float], *, baseline: bool = False) -> TrialResult:
-    strategy = Strategy(name=name, device="cpu")
-    return TrialResult(
-        trial=name,
-        strategy=strategy.to_dict(),
-        description=strategy.describe(),
-        status="ok",
-        is_baseline=baseline,
-        loss_curve=curve,
-        final_loss=curve[-1],
-        memory={"peak_gib": 1.0},
-        throughput={"samples_per_s": 10.0},
-    )
-
-
-def test_the_report_checks_parity_from_the_curves_and_leaves_the_rows_as_written(tmp_path):
-    from hfscale.results import append_result
-
-    base = [0.70, 0.69, 0.69, 0.68, 0.68, 0.67]
-    rows = [
-        _row("base", base, baseline=True),
-        _row("close", [x * 1.01 for x in base]),
-        _row("broken", [0.70, 40.0, 300.0, 120.0, 80.0, 60.0]),
-    ]
-    run = tmp_path / "run"
-    run.mkdir()
+def test_sweep_rows_carry_the_estimate_made_before_the_trial_ran(tiny_sweep_run):
+    specs = {t.name: t.spec for t in load_recipe(tiny_sweep_run / "recipe.yaml").trials}
+    rows = RunFolder(tiny_sweep_run).rows()
     for row in rows:
-        append_result(run / "results.jsonl", row)
-    written = (run / "results.jsonl").read_bytes()
-    paths = report.write_report(run)
-    assert (run / "results.jsonl").read_bytes() == written
-    table = {r["trial"]: r for r in md_table(paths.markdown.read_text(encoding="utf-8"), "Trials")}
-    assert table["base"]["loss parity"] == "reference"
-    assert table["close"]["loss parity"] == "ok (max 1.0 %)"
-    assert table["broken"]["loss parity"].startswith("FLAGGED: smoothed loss")
-    summary = report.load_run(run)
-    assert summary.row("broken").parity_flagged and summary.recommendation.fastest != "broken"
-
-
-# -- real sweeps -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_sweep_rows_carry_estimates_and_the_report_flags_a_broken_loss(tmp_path, monkeypatch):
-    """Three one-process trials: the baseline, gradient checkpointing (the same training, bit for bit) and a
-    learning rate of 10 (training breaks): the report compares predicted with measured peaks and flags only the
-    last by its loss."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = _recipe(
-        tmp_path,
-        tiny_recipe(
-            trials=[
-                {"name": "fp32"},
-                {"name": "ckpt", "gradient_checkpointing": True},
-                {"name": "lr10", "training_args": {"learning_rate": 10}},
-            ]
-        ),
-    )
-    run = tmp_path / "run"
-    outcome = run_sweep(recipe, run_dir=run, progress=lambda line: None)
-    lines = json_lines(run)
-    assert [line["status"] for line in lines] == ["ok", "ok", "ok"], [line["reason"] for line in lines]
-    specs = {t.name: t.spec for t in load_recipe(recipe).trials}
-    for line in lines:
-        expected = estimate_memory(specs[line["trial"]]).to_dict()
-        assert line["estimate"] == json.loads(json.dumps(expected))
-        assert {"weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "overhead_gib", "total_gib"} <= set(
-            line["estimate"]
+        assert row.estimate == estimate_memory(specs[row.trial]), row.trial
+        assert row.estimate_error is None
+        assert {"weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "overhead_gib"} <= set(
+            row.to_json()["estimate"]
         )
-        assert "parity" not in line["extra"]  # the row stays as appended; parity is derived from the curves
-    assert lines[2]["extra"]["training_args"]["learning_rate"] == 10
-
-    # The learning rate of 10 really broke training: its loss leaves the baseline's by far more than 10 %.
-    base_curve, broken_curve = lines[0]["loss_curve"], lines[2]["loss_curve"]
-    assert len(base_curve) == len(broken_curve) == 8
-    assert max(abs(b - a) / a for a, b in zip(base_curve, broken_curve, strict=True)) > 0.5
-    parity = {r.trial: r.extra["parity"] for r in outcome.rows}
-    assert parity["lr10"]["flagged"] and not parity["ckpt"]["flagged"] and parity["fp32"]["is_baseline"]
-
-    md = (run / "report.md").read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
-    for line in lines:
-        cells = table[line["trial"]]
-        predicted, measured = line["estimate"]["total_gib"], line["memory"]["peak_gib"]
-        assert cells["peak memory (GiB)"] == f"{measured:.3f}"
-        assert cells["predicted peak (GiB)"] == f"{predicted:.3f}"
-        assert cells["prediction error (%)"] == f"{100 * (predicted - measured) / measured:.1f}"
-    assert table["fp32"]["loss parity"] == "reference"
-    assert table["ckpt"]["loss parity"].startswith("ok")
-    assert table["lr10"]["loss parity"].startswith("FLAGGED: ")
-    assert "loss flagged" in table["lr10"]["notes"]
-    assert "Left out because their loss was flagged by the parity check: lr10" in md
-    html_text = (run / "report.html").read_text(encoding="utf-8")
-    assert "<th>predicted peak (GiB)</th>" in html_text and "FLAGGED: " in html_text
-    with open(run / "results.csv", encoding="utf-8") as fh:
-        import csv
-
-        records = {r["trial"]: r for r in csv.DictReader(fh)}
-    assert records["lr10"]["parity_status"] == "flagged" and records["ckpt"]["parity_status"] == "ok"
-    for line in lines:
-        error = 100 * (line["estimate"]["total_gib"] / line["memory"]["peak_gib"] - 1)
-        assert math.isclose(float(records[line["trial"]]["estimate_error_pct"]), error, rel_tol=1e-9)
+    measured = [r for r in rows if r.status == "ok"]
+    assert measured and all(r.peak_gib > 0 and r.predicted_gib > 0 for r in measured)
 
 
 # A causal LM whose logits (1024 tokens x 32000 classes, fp32, several copies through the loss) take about 0.4 GB
@@ -372,29 +257,30 @@ def test_find_max_batch_finds_the_limit_under_a_memory_cap(tmp_path, monkeypatch
     lines: list[str] = []
     upper = 8
     settings = SweepSettings(find_max_batch=True, max_batch_limit=upper, probe_steps=2)
-    run_sweep(recipe, run_dir=run, settings=settings, progress=lines.append)
+    run_sweep(recipe, run_dir=run, settings=settings, report=False, progress=lines.append)
 
     row, bs1 = read_results(run)
-    search = row.extra["batch_search"]
-    assert search["searched"] and search["stopped_reason"] is None, (search, row.reason)
-    best, first_oom = search["max_batch_size"], search["first_oom_batch_size"]
+    record = row.batch_search
+    search = record.result
+    assert record.searched and search.stopped_reason is None, (record, row.reason)
+    best, first_oom = search.max_batch_size, search.first_oom_batch_size
     # The cap bounded the search: the largest size that trained, and the next one ran out of memory.
     assert best is not None and 1 <= best < upper, search
     assert first_oom == best + 1, search
-    probes = {p["batch_size"]: p for p in search["probes"]}
-    assert probes[best]["status"] == "fits" and probes[best]["samples_per_s"] > 0
-    assert search["samples_per_s"] == probes[best]["samples_per_s"]
-    assert probes[first_oom]["status"] == "oom" and "memory limit 3.4 GiB" in probes[first_oom]["reason"]
-    assert all(p["status"] in ("fits", "oom") for p in search["probes"])
+    probes = {p.batch_size: p.outcome for p in search.probes}
+    assert probes[best].status == "fits" and probes[best].samples_per_s > 0
+    assert search.samples_per_s == probes[best].samples_per_s
+    assert probes[first_oom].status == "oom" and "memory limit 3.4 GiB" in probes[first_oom].reason
+    assert all(p.status in ("fits", "oom") for p in probes.values())
     # Everything that fits is below everything that does not: the search's answer is consistent with its probes.
-    assert max(b for b, p in probes.items() if p["status"] == "fits") == best
-    assert min(b for b, p in probes.items() if p["status"] == "oom") == first_oom
+    assert max(b for b, p in probes.items() if p.status == "fits") == best
+    assert min(b for b, p in probes.items() if p.status == "oom") == first_oom
 
     # The trial's own run (batch 2) is the probe at its size; every other probe was its own process group.
-    own = search["trial_run_batch_size"]
+    own = record.trial_run_batch_size
     assert own == (2 if row.status in ("ok", "oom") and 2 in probes else None)
     if row.status == "ok":
-        assert probes[2]["samples_per_s"] == row.throughput["samples_per_s"]
+        assert probes[2].samples_per_s == row.samples_per_s
     launched = {int(p.name[2:]) for p in (run / "trials" / "fp32" / "probes").iterdir()}
     assert launched == set(probes) - {own}
     for batch in launched:
@@ -402,20 +288,15 @@ def test_find_max_batch_finds_the_limit_under_a_memory_cap(tmp_path, monkeypatch
         spec = json.loads((folder / "trial.json").read_text(encoding="utf-8"))
         assert spec["strategy"]["per_device_batch_size"] == batch and spec["measure"]["max_steps"] == 1 + 2
         assert (folder / "stderr.log").exists()
-        if probes[batch]["status"] == "fits":
+        if probes[batch].status == "fits":
             result = json.loads((folder / "result.json").read_text(encoding="utf-8"))
-            assert result["throughput"]["samples_per_s"] == probes[batch]["samples_per_s"]
+            assert result["throughput"]["samples_per_s"] == probes[batch].samples_per_s
     assert any(f"largest batch that fits: {best}" in line for line in lines)
 
     assert bs1.status == "ok" and not (run / "trials" / "bs1" / "probes").exists()
-    assert bs1.extra["batch_search"] == {**search, "same_as": "fp32", "trial_run_batch_size": None}
-
-    md = (run / "report.md").read_text(encoding="utf-8")
-    cells, cells_bs1 = md_table(md, "Largest batch that fits")
-    assert cells["max batch"] == str(best) and cells["first out of memory"] == str(first_oom)
-    assert cells["samples/s at max batch"] == f"{search['samples_per_s']:.2f}"
-    assert "the search of fp32, which differs only in its batch size" in cells_bs1["notes"]
-    assert md_table(md, "Trials")[0]["max batch (samples/s)"] == f"{best} ({search['samples_per_s']:.2f}/s)"
+    assert bs1.batch_search == dataclasses.replace(record, same_as="fp32", trial_run_batch_size=None)
+    # The measured rows were appended before their searches; the searches were appended as the same rows again.
+    assert len((run / "results.jsonl").read_text().splitlines()) == 4
 
 
 # A GPT-2 whose logits (1024 tokens x 50257 classes, fp32 through the loss) take about 1 GB per sample on the
@@ -443,29 +324,29 @@ def test_gpu_sweep_skips_what_the_gpu_cannot_hold_and_finds_the_largest_batch(tm
     recipe = _recipe(tmp_path, GPU_RECIPE)
     run = tmp_path / "run"
     settings = SweepSettings(skip_predicted_oom=True, find_max_batch=True, max_batch_limit=512, probe_steps=2)
-    run_sweep(recipe, run_dir=run, settings=settings, progress=print)
+    run_sweep(recipe, run_dir=run, settings=settings, report=False, progress=print)
     rows = {r.trial: r for r in read_results(run)}
-    environment = json.loads((run / "environment.json").read_text(encoding="utf-8"))
-    budget = report.gpu_memory_from_environment(environment)
+    from hfscale.plan import memory_budget
+
+    budget = memory_budget(SweepSettings(), RunFolder(run).environment())
     assert budget is not None  # the default budget: this GPU's memory
 
     huge = rows["huge"]
     assert huge.status == "skipped" and huge.reason.startswith("predicted out of memory")
     assert f"budget {budget / GIB:.2f} GiB" in huge.reason and huge.exit_code is None
     # Predicted out of memory at its size, but a smaller batch fits: the same as fp32's (only the batch differs).
-    assert huge.extra["batch_search"]["same_as"] == "fp32"
+    assert huge.batch_search.same_as == "fp32"
 
     fp32 = rows["fp32"]
     assert fp32.status == "ok", fp32.reason
-    predicted, measured = fp32.estimate["total_gib"], fp32.memory["peak_gib"]
+    predicted, measured = fp32.predicted_gib, fp32.peak_gib
     print(f"\nfp32 batch 4: predicted {predicted:.3f} GiB, measured {measured:.3f} GiB")
-    search = fp32.extra["batch_search"]
-    assert search["start_from"] == "the estimate" and search["budget_bytes"] == budget
-    best, first_oom = search["max_batch_size"], search["first_oom_batch_size"]
+    record = fp32.batch_search
+    search = record.result
+    assert record.start_from == "the estimate" and record.budget_bytes == budget
+    best, first_oom = search.max_batch_size, search.first_oom_batch_size
     assert best is not None and first_oom == best + 1, search
-    probes = {p["batch_size"]: p for p in search["probes"]}
-    assert probes[best]["status"] == "fits" and probes[best]["peak_memory_gib"] * GIB < budget
-    assert probes[first_oom]["status"] == "oom" and "CUDA out of memory" in probes[first_oom]["reason"]
-    print(f"largest batch {best} ({search['samples_per_s']:.1f} samples/s), estimate's start {search['start']}")
-    md = (run / "report.md").read_text(encoding="utf-8")
-    assert md_table(md, "Largest batch that fits")[0]["max batch"] == str(best)
+    probes = {p.batch_size: p.outcome for p in search.probes}
+    assert probes[best].status == "fits" and probes[best].peak_memory_gib * GIB < budget
+    assert probes[first_oom].status == "oom" and "CUDA out of memory" in probes[first_oom].reason
+    print(f"largest batch {best} ({search.samples_per_s:.1f} samples/s), estimate's start {search.start}")

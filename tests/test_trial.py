@@ -13,15 +13,18 @@ from conftest import TINY_BERT, TINY_GPT2
 
 from hfscale.configs import write_configs
 from hfscale.model import build_model
+from hfscale.results import SCHEMA_VERSION, TrialOutcome
 from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import Strategy
 from hfscale.trial import (
     DEFAULT_SEED,
-    RESULT_SCHEMA_VERSION,
-    TrialOutcome,
+    LossRecorder,
     fsdp_block_classes,
     main,
     merge_training_args,
+    read_outcome,
+    run_trial,
+    write_outcome,
 )
 
 CPU = Strategy(name="fp32", device="cpu", per_device_batch_size=4)
@@ -83,6 +86,7 @@ def test_training_args_precedence_recipe_then_strategy_then_runner(caplog):
             "learning_rate": 1e-4,
             "per_device_train_batch_size": 99,
             "logging_steps": 10,
+            "save_strategy": "steps",
             "report_to": "tensorboard",
             "output_dir": "/somewhere",
         }
@@ -91,8 +95,9 @@ def test_training_args_precedence_recipe_then_strategy_then_runner(caplog):
         merged = merge_training_args(spec, {"per_device_train_batch_size": 4, "bf16": False})
     assert merged["learning_rate"] == 1e-4  # the recipe's own
     assert merged["per_device_train_batch_size"] == 4  # the strategy wins over the recipe
-    assert merged["logging_steps"] == 1  # the runner wins over both, and says so
-    assert "training_args.logging_steps=10 is overridden" in caplog.text
+    assert merged["save_strategy"] == "no"  # the runner wins over both, and says so
+    assert "training_args.save_strategy='steps' is overridden" in caplog.text
+    assert merged["logging_steps"] == 10  # logging is the recipe's: the loss curve does not need it
     assert merged["report_to"] == "tensorboard"  # asked for, so kept
     assert merged["average_tokens_across_devices"] is False
     assert merged["save_strategy"] == "no"
@@ -112,12 +117,64 @@ def test_training_args_epochs_and_seed():
 
 def test_outcome_round_trips_and_rejects_unknown_status(tmp_path):
     outcome = TrialOutcome(trial="t", status="not_applied", reason="r", mismatches=["r"], loss_curve=[1.0, 0.5])
-    outcome.write(tmp_path / "result.json")
+    write_outcome(outcome, tmp_path / "result.json")
     data = json.loads((tmp_path / "result.json").read_text())
-    assert data["schema_version"] == RESULT_SCHEMA_VERSION
-    assert TrialOutcome.from_dict(data | {"added_later": 1}) == outcome
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert TrialOutcome.from_json(data | {"added_later": 1}) == outcome
     with pytest.raises(ValueError, match=r"TrialOutcome.status: expected 'ok' or 'not_applied', got 'oom'"):
         TrialOutcome(trial="t", status="oom")
+
+
+# -- the loss curve without a per-step sync ------------------------------------------------------------------------
+
+
+def _tiny_trainer(tmp_path, tiny_bert, **args):
+    from transformers import Trainer, TrainingArguments
+
+    from hfscale.data import make_classification_dataset
+
+    data = make_classification_dataset(num_samples=24, seq_len=16, token_high=1000, seed=0)
+    kwargs = dict(per_device_train_batch_size=4, max_steps=5, use_cpu=True, report_to="none", disable_tqdm=True)
+    return Trainer(
+        model=tiny_bert, args=TrainingArguments(output_dir=str(tmp_path), **kwargs | args), train_dataset=data
+    )
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_loss_recorder_gives_the_loss_the_trainer_logs(tmp_path, tiny_bert, accumulation):
+    """The reference is the Trainer's own per-step log (logging_steps=1): the recorder must give the same curve."""
+    trainer = _tiny_trainer(tmp_path, tiny_bert, logging_steps=1, gradient_accumulation_steps=accumulation)
+    recorder = LossRecorder()
+    recorder.wrap(trainer)
+    trainer.train()
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 5
+    assert recorder.curve(trainer) == pytest.approx(logged, rel=1e-6)
+
+
+def test_a_trial_reads_no_tensor_per_step(tmp_path, monkeypatch):
+    """Tensor.item() is how the Trainer's per-step logging reads the loss and the grad norm (a host-device sync on
+    a GPU); the number of reads in a trial must not grow with its steps."""
+    import torch
+
+    calls = {"n": 0}
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        calls["n"] += 1
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    counts = []
+    for steps in (3, 9):
+        calls["n"] = 0
+        spec = tiny_spec(
+            measure=MeasureSpec(max_steps=steps, warmup_steps=1), data=DataSpec(num_samples=40, seq_len=16)
+        )
+        outcome = run_trial(spec)
+        assert len(outcome.loss_curve) == steps
+        counts.append(calls["n"])
+    assert counts[1] == counts[0], f"Tensor.item() calls: {counts[0]} for 3 steps, {counts[1]} for 9"
 
 
 # -- one whole trial in this process -------------------------------------------------------------------------------
@@ -129,18 +186,18 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
     spec.write(tmp_path / "spec.json")
     assert main([str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]) == 0
 
-    outcome = TrialOutcome.read(tmp_path / "result.json")
+    outcome = read_outcome(tmp_path / "result.json")
     assert outcome.status == "ok", outcome.mismatches
     assert outcome.trial == "fp32"
     assert len(outcome.loss_curve) == 3  # one loss per optimizer step
     assert all(math.isfinite(x) and x > 0 for x in outcome.loss_curve)
     assert outcome.final_loss == outcome.loss_curve[-1]
     assert outcome.train_runtime_s > 0 and outcome.train_samples_per_second > 0
-    assert outcome.memory["peak_gib"] > 0
-    assert outcome.throughput["measured_steps"] == 2  # 3 steps, 1 of warm-up
+    assert outcome.memory.peak_gib > 0
+    assert outcome.throughput.measured_steps == 2  # 3 steps, 1 of warm-up
     verification = outcome.verification
-    assert verification["distributed_type"] == "NO" and verification["wrapper"] == "none"
-    assert verification["linear_output_dtype"] == "float32"
+    assert verification.distributed_type == "NO" and verification.wrapper == "none"
+    assert verification.linear_output_dtype == "float32"
     assert outcome.world_size == 1
     assert outcome.training_args["per_device_train_batch_size"] == 4
     for phase in ("startup", "imports", "model_build", "trainer_init", "train_setup", "train_loop", "total"):
@@ -155,9 +212,9 @@ def test_a_strategy_that_did_not_take_effect_is_not_applied(tmp_path):
     spec.write(tmp_path / "spec.json")
     assert main([str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]) == 0
 
-    outcome = TrialOutcome.read(tmp_path / "result.json")
+    outcome = read_outcome(tmp_path / "result.json")
     assert outcome.status == "not_applied"
-    assert outcome.verification["linear_output_dtype"] == "float32"
+    assert outcome.verification.linear_output_dtype == "float32"
     assert any("produced float32, expected bfloat16" in m for m in outcome.mismatches)
     assert "expected bfloat16" in outcome.reason
     assert outcome.loss_curve  # the figures are kept, under a status that says they are not bf16's

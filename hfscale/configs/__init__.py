@@ -6,6 +6,7 @@ writes them side by side in one folder, which is what a trial (and a user) launc
     OUT/accelerate.yaml      accelerate launch --config_file OUT/accelerate.yaml ...
     OUT/deepspeed.json       when the strategy uses DeepSpeed (TrainingArguments.deepspeed points here)
     OUT/training_args.json   the strategy's TrainingArguments keywords
+    OUT/strategy.json        the strategy itself, read back by ``hfscale.callbacks.VerificationCallback(OUT)``
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hfscale.strategy import Strategy
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 TRAINING_ARGS_FILE = "training_args.json"
+STRATEGY_FILE = "strategy.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,8 @@ class GeneratedConfigs:
     """DeepSpeed JSON, or None when the strategy uses no DeepSpeed."""
     training_args_json: Path
     """``TrainingArguments`` keywords (JSON object) the strategy sets."""
+    strategy_json: Path | None = None
+    """The strategy (``Strategy.to_dict()``), so a verification can compare what runs with what was asked."""
     main_process_port: int | None = None
     """Port given to :func:`write_configs` (already in the YAML); kept for reference."""
 
@@ -55,6 +59,34 @@ def _dump_json(data: dict, path: Path) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def read_strategy(path: str | os.PathLike[str]) -> Strategy:
+    """The strategy :func:`write_configs` wrote: ``path`` is the config folder or its ``strategy.json``.
+
+    Raises:
+        FileNotFoundError: when there is no ``strategy.json`` (configs written by hfscale 0.1 have none: write them
+            again with ``hfscale config``).
+        ValueError: when the file is not a valid strategy (:class:`~hfscale.strategy.StrategyError` included).
+    """
+    target = Path(path)
+    if target.is_dir():
+        target = target / STRATEGY_FILE
+    if not target.is_file():
+        raise FileNotFoundError(
+            f"{target}: no {STRATEGY_FILE}; give the folder `hfscale config --out` wrote (write it again with "
+            "`hfscale config` if it predates strategy.json)"
+        )
+    try:
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{target}: not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{target}: expected a JSON object (a strategy), got {type(data).__name__}")
+    try:
+        return Strategy.from_dict(data)
+    except TypeError as exc:  # a missing or misspelt field the dataclass itself refuses
+        raise ValueError(f"{target}: not a strategy: {exc}") from exc
+
+
 def render_yaml(config: dict) -> str:
     """The accelerate config as YAML text (keys sorted, as ``accelerate config`` writes them)."""
     return yaml.safe_dump(config, sort_keys=True, default_flow_style=False)
@@ -69,7 +101,8 @@ def write_configs(
     main_process_ip: str | None = None,
     main_process_port: int | None = None,
 ) -> GeneratedConfigs:
-    """Write ``accelerate.yaml``, ``deepspeed.json`` (with DeepSpeed) and ``training_args.json`` into ``out_dir``.
+    """Write ``accelerate.yaml``, ``deepspeed.json`` (with DeepSpeed), ``training_args.json`` and ``strategy.json``
+    into ``out_dir``.
 
     Paths inside the files are absolute, so the configs work from any working directory. A stale
     ``deepspeed.json`` from an earlier strategy is removed.
@@ -103,10 +136,13 @@ def write_configs(
     acc_path.write_text(render_yaml(acc), encoding="utf-8")
     ta_path = out / TRAINING_ARGS_FILE
     _dump_json(ta, ta_path)
+    strategy_path = out / STRATEGY_FILE
+    _dump_json(strategy.to_dict(), strategy_path)
     return GeneratedConfigs(
         accelerate_yaml=acc_path,
         deepspeed_json=ds_path,
         training_args_json=ta_path,
+        strategy_json=strategy_path,
         main_process_port=main_process_port,
     )
 
@@ -114,6 +150,7 @@ def write_configs(
 __all__ = [
     "ACCELERATE_FILE",
     "DEEPSPEED_FILE",
+    "STRATEGY_FILE",
     "TRAINING_ARGS_FILE",
     "GeneratedConfigs",
     "accelerate_config",
@@ -121,6 +158,7 @@ __all__ = [
     "fsdp_plugin_kwargs",
     "fsdp_training_args",
     "launch_command",
+    "read_strategy",
     "render_yaml",
     "training_args_kwargs",
     "write_configs",

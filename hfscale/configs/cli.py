@@ -49,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward (FSDP: its own)"
     )
-    train.add_argument("--optim", choices=get_args(Optimizer), default="adamw_torch", help="default: %(default)s")
+    train.add_argument(
+        "--optim",
+        choices=get_args(Optimizer),
+        default=None,
+        help="the Trainer's optim (default: left out, so the installed transformers' default runs)",
+    )
     train.add_argument("--batch-size", type=int, default=8, help="per-device batch size (default: %(default)s)")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
 
@@ -153,7 +158,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"strategy: {strategy.describe()}")
     print("wrote:")
-    for path in (generated.accelerate_yaml, generated.deepspeed_json, generated.training_args_json):
+    written = (
+        generated.accelerate_yaml,
+        generated.deepspeed_json,
+        generated.training_args_json,
+        generated.strategy_json,
+    )
+    for path in written:
         if path is not None:
             print(f"  {path}")
     launch = ["accelerate", "launch", "--config_file", str(generated.accelerate_yaml)]
@@ -166,7 +177,45 @@ def main(argv: list[str] | None = None) -> int:
         "\nand build its TrainingArguments from training_args.json:\n"
         f"  TrainingArguments(output_dir=..., **json.load(open({str(generated.training_args_json)!r})))"
     )
+    for why, line in script_lines(strategy, generated.strategy_json.parent if generated.strategy_json else args.out):
+        print(f"\n{why}:\n  {line}")
+    if strategy.fsdp is not None and strategy.fsdp.auto_wrap == "transformer_layer" and not args.fsdp_layer_cls:
+        print(
+            "\nnote: no --fsdp-layer-cls, so FSDP wraps the classes in the model's _no_split_modules; where one of "
+            "them holds the input embedding (BERT's BertEmbeddings) FSDP2 fails ('Invariant encountered'): name the "
+            "block class (--fsdp-layer-cls BertLayer)"
+        )
     return 0
+
+
+def script_lines(strategy: Strategy, config_dir: Path) -> list[tuple[str, str]]:
+    """``(why, line)`` for each line a user's own training script needs beside the generated files, in the order
+    they go in the script.
+
+    A strategy that no generated file can make take effect gets its line here, never a silent fallback: FSDP on
+    several CPU processes needs :data:`hfscale.fsdp_cpu.SCRIPT_LINE` (without it accelerate runs DDP). The last line
+    adds :class:`hfscale.callbacks.VerificationCallback`, which fails the run when what runs is not ``strategy``.
+    """
+    from hfscale import fsdp_cpu
+
+    lines = []
+    if fsdp_cpu.needed(strategy):
+        lines.append(
+            (
+                "your script needs this line before TrainingArguments (without it accelerate runs DDP, not FSDP, "
+                "on CPU)",
+                fsdp_cpu.SCRIPT_LINE,
+            )
+        )
+    lines.append(
+        (
+            "and after building the Trainer, this line checks at the first step that what runs is what was asked "
+            "(it raises on a mismatch)",
+            f"from hfscale.callbacks import VerificationCallback, attach; "
+            f"attach(trainer, VerificationCallback({str(config_dir)!r}))",
+        )
+    )
+    return lines
 
 
 if __name__ == "__main__":

@@ -88,6 +88,13 @@ def deepspeed_config(strategy: Strategy) -> dict[str, Any] | None:
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if strategy.device == "cpu" and spec.zero_stage == 3:
+        # A script that builds its model after TrainingArguments (the transformers examples do) builds it under
+        # zero.Init, which reads this JSON before DeepSpeed's communicator is up on a CPU machine (accelerate only
+        # starts it for GPUs), so it sees a world of one and fails DeepSpeed's batch check ("train_batch_size is not
+        # equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 4 * 1 * 1", measured with deepspeed
+        # 0.19.8). Left out, DeepSpeed derives it from the micro batch, the accumulation and the real world size.
+        del config["train_batch_size"]
     if spec.offload_optimizer != "none":
         # ZeRO-Offload runs the step on the CPU with DeepSpeed's own Adam; a client optimizer is refused.
         config["optimizer"] = {

@@ -51,12 +51,14 @@ def training_args_kwargs(
     kwargs: dict[str, Any] = {
         "bf16": strategy.precision == "bf16",
         "fp16": strategy.precision == "fp16",
-        "optim": strategy.optimizer,
         "per_device_train_batch_size": strategy.per_device_batch_size,
         "gradient_accumulation_steps": strategy.gradient_accumulation_steps,
         # On CPU this also makes multi-process runs use gloo DDP (accelerate's MULTI_GPU launcher on CPU).
         "use_cpu": strategy.device == "cpu",
     }
+    if strategy.optimizer is not None:
+        # Unset, the Trainer's own default runs (what a user who names none gets); the verification records it.
+        kwargs["optim"] = strategy.optimizer
     # With FSDP, checkpointing is FSDP's own (fsdp_config.activation_checkpointing); the Trainer refuses both.
     model_ckpt = strategy.gradient_checkpointing and strategy.fsdp is None
     kwargs[ckpt] = model_ckpt

@@ -1,0 +1,333 @@
+"""Steady-state samples/s, tokens/s, step time and MFU of a training run, global over ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from hfscale.callbacks.base import _all_gather, _batch_counts, _rank_and_world, _SummaryCallback, _write_json
+from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
+from hfscale.flops import compute_dtype, mfu, model_shape, peak_flops_per_s, transformer_flops_per_token
+from hfscale.measurements import ThroughputSummary
+from hfscale.verify import LinearDtypeProbe
+
+logger = logging.getLogger(__name__)
+
+
+def _device_name(device: Any) -> str:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or dev.type
+
+
+class ThroughputCallback(_SummaryCallback):
+    """Steady-state samples/s, tokens/s, step time and MFU of a training run, global over ranks.
+
+    A step is one optimizer step (all its gradient-accumulation micro-batches); its time runs from the end of the
+    previous optimizer step to the end of this one (``on_optimizer_step``, right after ``optimizer.step()``), so
+    data loading and loss logging are included. The boundary is taken before any callback's ``on_step_end`` runs,
+    so end-of-training work (this and other callbacks' summaries, gathered over ranks and logged at the last
+    step's end) is never inside a timed step, whatever the callbacks' order. A loop that never calls
+    ``on_optimizer_step`` is timed at ``on_step_end`` instead. The
+    first ``warmup_steps`` steps are left out, and so are steps that contain an evaluation or a checkpoint save.
+    Samples and tokens are counted from the batches the model really receives (a forward pre-hook reads the
+    shape of ``input_ids``; no device synchronisation), so a last partial batch counts what it held; the
+    configured figure (batch x accumulation x world size) is kept beside it and a mismatch is logged.
+
+    Across ranks, each step's time is the slowest rank's, and samples and tokens are summed over ranks.
+    MFU = tokens/s x FLOPs per token / (peak FLOP/s x world size), with FLOPs per token from
+    :mod:`hfscale.flops` (``6 * N + 12 * L * H * T``, PaLM appendix B; N without embedding tables, the output head
+    counted, tied or not; activation recomputation is not useful work and is not counted; the whole model's N
+    under FSDP1, counted on a meta-device copy, not this rank's shard) and the peak from
+    :data:`hfscale.flops.DEVICE_PEAK_FLOPS` for the device name and the compute dtype (bf16/fp16/tf32/fp32): the
+    dtype an ``nn.Linear`` really produced in the first training forward, so a model loaded in bf16 without
+    ``args.bf16`` is divided by the bf16 peak. On CPU the peak is unknown: MFU is None unless ``peak_flops`` is
+    given.
+
+    Too few steps: when training has fewer than ``warmup_steps + 2`` optimizer steps, a warning is logged at train
+    begin, and the figures that need measured steps are None (the run is not stopped: memory figures and the
+    Trainer's own results are still worth having).
+
+    Logged once, at the end of the last step, through ``Trainer.log``:
+
+    =================================== ========================================================================
+    ``throughput/samples_per_s``        samples per second, all ranks
+    ``throughput/tokens_per_s``         input tokens per second, all ranks
+    ``throughput/step_time_median_s``   median optimizer-step time
+    ``throughput/step_time_p90_s``      90th percentile optimizer-step time
+    ``throughput/step_time_mean_s``     mean optimizer-step time
+    ``throughput/mfu``                  model FLOPs utilisation (where the peak is known)
+    ``throughput/measured_steps``       steps in the figures
+    ``throughput/samples_per_step``     samples per optimizer step, all ranks
+    =================================== ========================================================================
+
+    After training, ``summary`` holds a :class:`ThroughputSummary` (on every rank).
+
+    Args:
+        warmup_steps: optimizer steps left out at the start (compilation, allocator growth, caches).
+        peak_flops: one device's peak FLOP/s, overriding the table (and giving an MFU on CPU).
+        flops_per_token: model FLOPs per trained token, overriding the formula.
+        output_path: where the main process writes ``summary.to_dict()`` as JSON; None writes nothing.
+
+    Raises:
+        ValueError: for a negative ``warmup_steps`` or a non-positive ``peak_flops`` / ``flops_per_token``.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        *,
+        peak_flops: float | None = None,
+        flops_per_token: float | None = None,
+        output_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps!r}")
+        if peak_flops is not None and not peak_flops > 0:
+            raise ValueError(f"peak_flops: expected a positive FLOP/s figure, got {peak_flops!r}")
+        if flops_per_token is not None and not flops_per_token > 0:
+            raise ValueError(f"flops_per_token: expected a positive number, got {flops_per_token!r}")
+        self.warmup_steps = warmup_steps
+        self.peak_flops = peak_flops
+        self.flops_per_token = flops_per_token
+        self.output_path = output_path
+        self.summary: ThroughputSummary | None = None
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        import torch
+
+        self._begin_run()
+        self.summary = None
+        self._remove_hook()
+        self._samples: list[int] = []
+        self._tokens: list[int] = []
+        self._interrupted: list[bool] = []
+        self._acc_samples = 0
+        self._acc_tokens = 0
+        self._dirty = False
+        self._model_shape: tuple[int, int, int] | None = None
+        self._marked_step = False
+        self._dtype_probe: LinearDtypeProbe | None = None
+        if model is not None:
+            self._hook = model.register_forward_pre_hook(self._count_batch, with_kwargs=True)
+            self._model_shape = _model_shape(model)
+            self._dtype_probe = LinearDtypeProbe(model)
+        if state.max_steps < self.warmup_steps + 2:
+            logger.warning(
+                "ThroughputCallback: training has %d optimizer steps, fewer than warmup_steps + 2 = %d: throughput "
+                "figures will be None; train longer or lower warmup_steps",
+                state.max_steps,
+                self.warmup_steps + 2,
+            )
+        on_cuda = torch.device(args.device).type == "cuda"
+        self._timer: _PerfCounterTimer | _CudaEventTimer = _CudaEventTimer() if on_cuda else _PerfCounterTimer()
+        self._timer.mark()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._dirty = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._dirty = True
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(self, "_finished", True):
+            return
+        self._end_step()
+        self._marked_step = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(self, "_finished", True):
+            return
+        if not self._marked_step:  # a loop without on_optimizer_step
+            self._end_step()
+        self._marked_step = False
+        super().on_step_end(args, state, control, **kwargs)
+
+    def _end_step(self) -> None:
+        self._timer.mark()
+        self._samples.append(self._acc_samples)
+        self._tokens.append(self._acc_tokens)
+        self._interrupted.append(self._dirty)
+        self._acc_samples = self._acc_tokens = 0
+        self._dirty = False
+
+    # -- measurement -------------------------------------------------------------------------------------------
+
+    def _count_batch(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Runs before every forward of the model: a dict lookup and a shape read, about a microsecond.
+        if not module.training:
+            return
+        samples, tokens = _batch_counts(args, kwargs)
+        self._acc_samples += samples
+        self._acc_tokens += tokens
+
+    def _remove_hook(self) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+        self._hook = None
+
+    def _finish(self, args: Any, state: Any, control: Any) -> None:
+        if getattr(self, "_finished", True):
+            return
+        self._finished = True
+        self._remove_hook()
+        if self._dtype_probe is not None:
+            self._dtype_probe.remove()
+        durations = self._timer.durations_s()
+        n = min(len(durations), len(self._samples))
+        rank, world = _rank_and_world()
+        rows = _all_gather(
+            {
+                "rank": rank,
+                "durations": durations[:n],
+                "samples": self._samples[:n],
+                "tokens": self._tokens[:n],
+                "interrupted": self._interrupted[:n],
+            }
+        )
+        self.summary = self._summarise(args, rows, world)
+        self._log(control, self.summary.log_dict())
+        if self.output_path is not None and state.is_world_process_zero:
+            _write_json(self.output_path, self.summary.to_dict())
+
+    def _summarise(self, args: Any, rows: list[dict[str, Any]], world: int) -> ThroughputSummary:
+        n = min(len(r["durations"]) for r in rows)
+        step_s = [max(r["durations"][k] for r in rows) for k in range(n)]
+        samples = [sum(r["samples"][k] for r in rows) for k in range(n)]
+        tokens = [sum(r["tokens"][k] for r in rows) for k in range(n)]
+        interrupted = [any(r["interrupted"][k] for r in rows) for k in range(n)]
+        accumulation = int(getattr(args, "gradient_accumulation_steps", 1))
+        configured = int(args.train_batch_size) * accumulation * world
+        if n and not any(samples):
+            logger.warning(
+                "ThroughputCallback: counted no samples in the model's inputs (no input_ids / inputs_embeds / "
+                "pixel_values / labels keyword); using the configured %d samples per step",
+                configured,
+            )
+            samples = [configured] * n
+        measured = [k for k in range(n) if k >= self.warmup_steps and not interrupted[k]]
+        samples_per_step = max(samples) if samples else None
+        if samples_per_step is not None and samples_per_step != configured:
+            logger.warning(
+                "ThroughputCallback: the batches held %d samples per optimizer step, the arguments say %d "
+                "(per-device batch x accumulation x world size); the figures use what the batches held",
+                samples_per_step,
+                configured,
+            )
+        observed = self._dtype_probe.output_dtype if self._dtype_probe is not None else None
+        dtype = compute_dtype(args, observed=observed)
+        device_name = _device_name(args.device)
+        peak = self.peak_flops if self.peak_flops is not None else peak_flops_per_s(device_name, dtype)
+        common = dict(
+            warmup_steps=self.warmup_steps,
+            samples_per_step=samples_per_step,
+            world_size=world,
+            peak_flops_per_s=peak,
+            device_name=device_name,
+            compute_dtype=dtype,
+            timer=self._timer.kind,
+            total_steps=n,
+            interrupted_steps=sum(interrupted[self.warmup_steps :]),
+            samples_per_step_configured=configured,
+        )
+        if len(measured) < 2:
+            logger.warning(
+                "ThroughputCallback: %d optimizer steps timed, %d after %d warm-up steps; at least 2 are needed, so "
+                "the throughput figures are None",
+                n,
+                len(measured),
+                self.warmup_steps,
+            )
+            return ThroughputSummary(
+                samples_per_s=None,
+                tokens_per_s=None,
+                step_time_median_s=None,
+                step_time_p90_s=None,
+                step_time_mean_s=None,
+                measured_steps=len(measured),
+                tokens_per_sample=None,
+                flops_per_token=self.flops_per_token,
+                mfu=None,
+                **common,
+            )
+        times = [step_s[k] for k in measured]
+        total_time = sum(times)
+        total_samples = sum(samples[k] for k in measured)
+        total_tokens = sum(tokens[k] for k in measured)
+        tokens_per_s = total_tokens / total_time if total_tokens else None
+        tokens_per_sample = total_tokens / total_samples if total_tokens and total_samples else None
+        fpt = self.flops_per_token
+        if fpt is None and self._model_shape is not None and tokens_per_sample is not None:
+            params, layers, hidden = self._model_shape
+            fpt = transformer_flops_per_token(
+                non_embedding_params=params, num_layers=layers, hidden_size=hidden, seq_len=tokens_per_sample
+            )
+        utilisation = None
+        if fpt is not None and peak is not None and tokens_per_s is not None:
+            # One process drives n_gpu devices under nn.DataParallel (n_gpu is 1 per process in DDP, 0 on CPU).
+            devices = world * max(1, int(getattr(args, "n_gpu", 1) or 1))
+            utilisation = mfu(
+                tokens_per_s=tokens_per_s, flops_per_token=fpt, peak_flops_per_s=peak, num_devices=devices
+            )
+        return ThroughputSummary(
+            samples_per_s=total_samples / total_time,
+            tokens_per_s=tokens_per_s,
+            step_time_median_s=_percentile(times, 50),
+            step_time_p90_s=_percentile(times, 90),
+            step_time_mean_s=total_time / len(times),
+            measured_steps=len(measured),
+            tokens_per_sample=tokens_per_sample,
+            flops_per_token=fpt,
+            mfu=utilisation,
+            measured_samples=total_samples,
+            measured_time_s=total_time,
+            step_time_min_s=min(times),
+            step_time_max_s=max(times),
+            step_times_s=times,
+            **common,
+        )
+
+
+def _fsdp1_active(model: Any) -> bool:
+    """Whether FSDP1 wraps the model: its parameters are then this rank's shard only."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return True
+    try:  # the root unit alone wraps from outside, where the model's own modules do not show it
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        return False
+    if not AcceleratorState._shared_state:  # no accelerate state: nothing prepared the model
+        return False
+    state = AcceleratorState()
+    plugin = getattr(state, "fsdp_plugin", None)
+    return state.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) == 1
+
+
+def _model_shape(model: Any) -> tuple[int, int, int] | None:
+    try:
+        return model_shape(model, from_config=_fsdp1_active(model))
+    except ValueError as exc:
+        logger.warning("ThroughputCallback: no FLOPs per token, so no MFU: %s", exc)
+        return None
+
+
+__all__ = ["ThroughputCallback", "ThroughputSummary"]

@@ -1,0 +1,141 @@
+"""The estimate itself: model states, activations and overheads added into one process's predicted peak.
+
+This is where the parts meet, so it is also where the two things that are not a plain sum live: the optimizer
+step's temporaries (held after the activations are freed) and the overlap of gradients with activations when they
+are never held at once (docs/estimate.md, "Gradients and activations").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hfscale.estimate.activations import activation_bytes
+from hfscale.estimate.optimizer import optimizer_state_bytes, optimizer_step_temp_bytes, sgd_momentum
+from hfscale.estimate.result import GIB, MemoryEstimate
+from hfscale.estimate.shape import ModelShape, describe_model, model_shape_from_module
+from hfscale.estimate.states import model_states
+from hfscale.spec import DataSpec, ModelSpec, TrialSpec
+from hfscale.strategy import Strategy
+
+if TYPE_CHECKING:
+    from torch import nn
+
+CUBLAS_WORKSPACES_BYTES = 2 * 32 * 1024**2
+"""Two cuBLAS workspaces in torch's allocator (forward thread and autograd thread), 32 MiB each on Hopper."""
+
+
+def estimate_memory(
+    spec_or_model: TrialSpec | ModelSpec | ModelShape | nn.Module,
+    strategy: Strategy | None = None,
+    *,
+    seq_len: int | None = None,
+    data: DataSpec | None = None,
+    training_args: dict[str, Any] | None = None,
+) -> MemoryEstimate:
+    """Predict the peak memory of one process for a trial, or for a model under a strategy.
+
+    Call it with a :class:`~hfscale.spec.TrialSpec` (everything comes from it), or with a model (a
+    :class:`~hfscale.spec.ModelSpec`, a :class:`ModelShape` or a built ``nn.Module``), a strategy and ``seq_len``.
+
+    Raises:
+        ValueError: when the strategy or the sequence length is missing, or the optimizer is not modelled.
+    """
+    if isinstance(spec_or_model, TrialSpec):
+        spec = spec_or_model
+        strategy = strategy or spec.strategy
+        data = data or spec.data
+        seq_len = seq_len or spec.data.seq_len
+        training_args = spec.training_args if training_args is None else training_args
+        shape = describe_model(spec.model, data)
+    elif isinstance(spec_or_model, ModelSpec):
+        shape = describe_model(spec_or_model, data)
+    elif isinstance(spec_or_model, ModelShape):
+        shape = spec_or_model
+    else:
+        shape = model_shape_from_module(spec_or_model)
+    if strategy is None:
+        raise ValueError("estimate_memory: a strategy is needed unless a TrialSpec is given")
+    if seq_len is None:
+        seq_len = (data or DataSpec()).seq_len
+    return _estimate(shape, strategy, seq_len=seq_len, training_args=training_args or {})
+
+
+def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_args: dict[str, Any]) -> MemoryEstimate:
+    n = shape.num_params
+    device = strategy.device
+    optimizer = strategy.resolved_optimizer
+    optimizer_bytes = optimizer_state_bytes(shape, optimizer, device=device, momentum=sgd_momentum(training_args))
+    states = model_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+    notes = list(states.notes)
+    overhead = dict(states.overhead)
+
+    act = activation_bytes(
+        shape,
+        batch_size=strategy.per_device_batch_size,
+        seq_len=seq_len,
+        precision=strategy.precision,
+        device=device,
+        gradient_checkpointing=strategy.gradient_checkpointing,
+        half_module=states.half_module,
+    )
+    if act.transient:
+        overhead["loss_buffers"] = act.transient
+    forward_extra = act.saved + overhead.get("autocast_weight_copies", 0) + act.transient
+    if not states.step_on_host:
+        step_temp = optimizer_step_temp_bytes(shape, optimizer, device, states.local_fraction)
+        # the step's temporaries live after the activations are freed: they add only what exceeds them
+        if step_temp > forward_extra:
+            overhead["optimizer_step"] = step_temp - forward_extra
+    else:
+        step_temp = 0
+    if device == "cuda":
+        overhead["cublas_workspaces"] = CUBLAS_WORKSPACES_BYTES
+    overlap = 0
+    if not states.gradients_kept and strategy.gradient_accumulation_steps == 1 and forward_extra > step_temp:
+        # zero_grad(set_to_none=True) freed the gradients: peak = max(forward, gradients + step) instead of the sum
+        overlap = min(int(states.gradients), forward_extra - step_temp)
+        if overlap:
+            notes.append(
+                "one micro-batch per step: gradients are created while activations are freed, not held at once "
+                "(overlap subtracted from the sum)"
+            )
+    if shape.family == "generic":
+        notes.append(f"activations of {shape.model_type!r} use the generic pre-LN inventory (approximate)")
+    if optimizer == "paged_adamw_8bit" and device == "cuda":
+        notes.append("paged optimizer states live in CUDA managed memory: counted, but outside torch's allocator")
+
+    parts = {
+        "weights": states.weights,
+        "gradients": states.gradients,
+        "optimizer": states.optimizer,
+        "activations": act.saved,
+        "overhead": sum(overhead.values()),
+    }
+    total = sum(parts.values()) - overlap
+    return MemoryEstimate(
+        weights_gib=parts["weights"] / GIB,
+        gradients_gib=parts["gradients"] / GIB,
+        optimizer_gib=parts["optimizer"] / GIB,
+        activations_gib=parts["activations"] / GIB,
+        overhead_gib=parts["overhead"] / GIB,
+        total_gib=total / GIB,
+        overlap_gib=overlap / GIB,
+        device=device,
+        num_params=n,
+        largest_layer_params=shape.largest_layer_params,
+        batch_size=strategy.per_device_batch_size,
+        seq_len=seq_len,
+        overhead_parts_gib={k: v / GIB for k, v in overhead.items()},
+        activation_parts={
+            "family": shape.family,
+            "attention_path": act.attention_path,
+            "per_layer_bytes": act.per_layer,
+            "layers_kept_bytes": act.layers_kept,
+            "recompute_bytes": act.recompute,
+            "outside_layers_bytes": act.outside_layers,
+        },
+        notes=tuple(notes),
+    )
+
+
+__all__ = ["CUBLAS_WORKSPACES_BYTES", "estimate_memory"]

@@ -1,0 +1,481 @@
+"""What a sweep will run: its settings (what the command line adds to a recipe) and the planned launches.
+
+:class:`SweepSettings` declares each command-line option once: its flag, help, bounds and how ``--resume`` treats it
+sit in the field's metadata, the parser of ``hfscale sweep`` is derived from it (:func:`hfscale.sweep.build_parser`),
+and the bounds are checked in one place (``__post_init__``). :func:`plan_runs` expands the trials into launches
+(repeats interleaved) and decides, without launching, what cannot run here; :func:`estimate_runs` adds each trial's
+predicted peak memory (:mod:`hfscale.estimate`) and, on request, skips what is predicted not to fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from hfscale.recipe import Recipe, RecipeTrial
+from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, Strategy
+
+if TYPE_CHECKING:
+    from hfscale.estimate import MemoryEstimate
+    from hfscale.launch import LaunchInfo
+
+GIB = 2**30
+
+logger = logging.getLogger(__name__)
+
+
+class SweepError(RuntimeError):
+    """A sweep that cannot start: the run folder exists or is locked, the recipe and run folder disagree, ..."""
+
+
+class SettingError(ValueError):
+    """A setting out of its bounds; ``setting`` is the field's name (the command line names the flag instead)."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting} {problem}")
+        self.setting = setting
+        self.problem = problem
+
+
+def _memory_size(text: str) -> int:
+    """``--memory-budget``'s parser: argparse prints an ArgumentTypeError's own message (a ValueError's it hides)."""
+    import argparse
+
+    from hfscale.memory import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+ResumeRule = Literal["keep", "override"]
+
+
+def _option(
+    flag: str,
+    help: str,
+    *,
+    parse: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+    least: float | None = None,
+    positive: bool = False,
+    group: str | None = None,
+    resume: ResumeRule = "override",
+) -> dict[str, Any]:
+    """A field's metadata: its command-line flag and help, its bounds, and what ``--resume`` does with it
+    (``keep``: it defines the trials, so a resumed run must use the recorded value; ``override``: a value given
+    on the command line of the resumed run applies to the runs still to do, and is recorded in its entry)."""
+    return {
+        "flag": flag,
+        "help": help,
+        "parse": parse,
+        "metavar": metavar,
+        "least": least,
+        "positive": positive,
+        "group": group,
+        "resume": resume,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSettings:
+    """What the command line adds to a recipe; recorded in environment.json so that ``--resume`` keeps it."""
+
+    num_processes: int | None = field(
+        default=None,
+        metadata=_option(
+            "--num-processes", "processes for trials that do not pin num_processes", least=1, resume="keep"
+        ),
+    )
+    """Processes for trials that do not pin ``num_processes`` (None: the outer launch's, else the recipe's own)."""
+    num_machines: int | None = field(
+        default=None,
+        metadata=_option("--num-machines", "machines for trials that do not pin num_machines", least=1, resume="keep"),
+    )
+    """Machines for trials that do not pin ``num_machines``."""
+    memory_limit_gib: float | None = field(
+        default=None,
+        metadata=_option(
+            "--memory-limit-gib", "address-space limit of every trial process (GiB), over the recipe's", positive=True
+        ),
+    )
+    """Overrides every trial's ``run.memory_limit_gib``."""
+    timeout_s: float | None = field(
+        default=None,
+        metadata=_option(
+            "--timeout-s",
+            "wall-clock limit of every trial in seconds, over the recipe's (with --resume: for the runs still to do)",
+            positive=True,
+        ),
+    )
+    """Overrides every trial's ``measure.timeout_s``."""
+    only: tuple[str, ...] = field(
+        default=(), metadata=_option("--only", "run only this trial (repeatable)", metavar="NAME")
+    )
+    """Run only these trials."""
+    memory_budget_bytes: int | None = field(
+        default=None,
+        metadata=_option(
+            "--memory-budget",
+            "memory per device, e.g. 80GiB, 24GB, 512MiB: what --skip-predicted-oom checks the estimate against, "
+            "where --find-max-batch starts, and what the report's recommendation must fit (default: the GPU's memory "
+            "as environment.json records it; none on CPU)",
+            parse=_memory_size,
+            metavar="SIZE",
+            least=1,
+            group="memory",
+        ),
+    )
+    """Memory per device (``--memory-budget``) for ``skip_predicted_oom``, the batch search's first size and the
+    report's recommendation; None: the GPU memory ``environment.json`` records, if any."""
+    skip_predicted_oom: bool = field(
+        default=False,
+        metadata=_option(
+            "--skip-predicted-oom",
+            "do not launch a trial whose estimated peak (hfscale estimate, plus the CUDA context on a GPU) exceeds "
+            "the budget; its row is 'skipped' with the predicted figure",
+            group="memory",
+        ),
+    )
+    """Do not launch a trial whose estimated peak does not fit the budget; its row is ``skipped`` with the figure."""
+    find_max_batch: bool = field(
+        default=False,
+        metadata=_option(
+            "--find-max-batch",
+            "after each trial, find the largest per-device batch that fits by short probe runs (each its own "
+            "process group; logs in RUN/trials/NAME/probes/), starting from the estimate; out of memory is expected",
+            group="memory",
+        ),
+    )
+    """After each trial, search the largest per-device batch that fits (:mod:`hfscale.batch_search`)."""
+    max_batch_limit: int = field(
+        default=1024,
+        metadata=_option(
+            "--max-batch-limit",
+            "largest per-device batch --find-max-batch tries (default %(default)s)",
+            metavar="N",
+            least=1,
+            group="memory",
+        ),
+    )
+    """Largest per-device batch the search tries."""
+    probe_steps: int = field(
+        default=3,
+        metadata=_option(
+            "--probe-steps",
+            "optimizer steps per probe after the trial's warm-up steps (default %(default)s; at least 2: the "
+            "steady-state throughput needs two timed steps)",
+            metavar="N",
+            least=2,
+            group="memory",
+        ),
+    )
+    """Optimizer steps of each batch-search probe after the trial's warm-up steps (at least 2: the steady-state
+    throughput needs two timed steps)."""
+    price_per_hour: float | None = field(
+        default=None,
+        metadata=_option(
+            "--price-per-hour",
+            "price of one device for one hour, in your currency: the report adds the cost per million tokens",
+            metavar="PRICE",
+            positive=True,
+        ),
+    )
+    """Price of one device-hour; the report's cost per million tokens (None: no cost column)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            least, positive = f.metadata.get("least"), f.metadata.get("positive")
+            if least is not None and value < least:
+                raise SettingError(f.name, f"must be at least {least:g}, got {value:g}")
+            if positive and value <= 0:
+                raise SettingError(f.name, f"must be more than 0, got {value:g}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "only": list(self.only)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SweepSettings:
+        """Settings as ``environment.json`` records them; keys of another hfscale version are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["only"] = tuple(kwargs.get("only") or ())
+        return cls(**kwargs)
+
+    def given(self) -> dict[str, Any]:
+        """The settings that differ from their defaults (what a command line gave)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != SweepSettings.__dataclass_fields__[f.name].default
+            and not (f.name == "only" and not self.only)
+        }
+
+    def for_resume(self, given: SweepSettings) -> SweepSettings:
+        """These (recorded) settings with what ``given`` changes for a resumed run.
+
+        A setting marked ``keep`` (the process and machine counts: they define the trials) must match the recorded
+        value; any other given setting (``--timeout-s``, ``--memory-limit-gib``, ``--only``, ...) applies to the
+        runs still to do.
+
+        Raises:
+            SweepError: when a ``keep`` setting differs from the recorded one, naming its flag and both values.
+        """
+        changes: dict[str, Any] = {}
+        for name, value in given.given().items():
+            meta = SweepSettings.__dataclass_fields__[name].metadata
+            recorded = getattr(self, name)
+            if value == recorded:
+                continue
+            if meta.get("resume") == "keep":
+                raise SweepError(
+                    f"{meta['flag']} {value} differs from the recorded {recorded}: a resumed run keeps the recorded "
+                    f"{meta['flag']} so that its trials stay the same (omit it, or start a new run)"
+                )
+            logger.info("%s: %r replaces the recorded %r for the runs still to do", meta["flag"], value, recorded)
+            changes[name] = value
+        return dataclasses.replace(self, **changes)
+
+
+# -- what will run --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRun:
+    """One launch of one trial (a trial with ``measure.repeats`` = 3 is three runs)."""
+
+    trial: RecipeTrial
+    repeat: int
+    """0-based."""
+    index: int
+    """Position in the whole sweep, 0-based (multi-machine ports are derived from it)."""
+    skip_reason: str | None = None
+    """Why it will not be launched, decided before launching."""
+    estimate: MemoryEstimate | None = None
+    """The trial's predicted peak (:func:`estimate_runs`); None when it could not be estimated."""
+    estimate_error: str | None = None
+    """Why there is no estimate (a model type or optimizer the estimator does not model, ...)."""
+    predicted_oom: bool = False
+    """``skip_reason`` is ``--skip-predicted-oom``'s: the estimate does not fit the budget."""
+
+    @property
+    def name(self) -> str:
+        return self.trial.name
+
+    @property
+    def repeats(self) -> int:
+        """How many runs the trial can have (``measure.max_repeats`` when it asks for a target precision)."""
+        return self.trial.spec.measure.most_runs
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.repeat)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.repeats == 1 else f"{self.name} (repeat {self.repeat + 1}/{self.repeats})"
+
+
+def skip_reason(strategy: Strategy, *, gpu_count: int, num_machines: int) -> str | None:
+    """Why a strategy cannot run here, decided without launching it; None when it can be tried.
+
+    Missing optional dependencies are found with ``importlib.util.find_spec`` (nothing is imported).
+    """
+    if strategy.deepspeed is not None and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install 'hfscale[deepspeed]')"
+    if strategy.optimizer in EIGHT_BIT_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        return (
+            f"optimizer {strategy.optimizer!r} needs bitsandbytes, which is not installed (pip install 'hfscale[bnb]')"
+        )
+    if strategy.num_machines > num_machines:
+        return f"needs {strategy.num_machines} machines; this sweep was launched on {num_machines}"
+    if strategy.device == "cuda":
+        per_machine = strategy.num_processes // strategy.num_machines
+        if gpu_count == 0:
+            return "device 'cuda' but no CUDA device is visible (see environment.json)"
+        if per_machine > gpu_count:
+            return f"needs {per_machine} GPUs per machine; {gpu_count} visible"
+    return None
+
+
+def plan_runs(
+    trials: Sequence[RecipeTrial], *, gpu_count: int, num_machines: int, only: Sequence[str] | None = None
+) -> list[PlannedRun]:
+    """Every launch, interleaved: the first run of every trial in recipe order, then the second of every trial that
+    has one, and so on, so that drift over the sweep (the machine warming up, another job starting) reaches every
+    trial alike instead of all the repeats of one; ``only`` keeps the named trials.
+
+    Raises:
+        SweepError: when ``only`` names a trial the recipe does not have.
+    """
+    names = [t.name for t in trials]
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise SweepError(f"--only: no trial named {', '.join(unknown)}; trials are {', '.join(names)}")
+    kept = [t for t in trials if not only or t.name in only]
+    reasons = {t.name: skip_reason(t.spec.strategy, gpu_count=gpu_count, num_machines=num_machines) for t in kept}
+    runs = []
+    for repeat in range(max((t.spec.measure.repeats for t in kept), default=0)):
+        for trial in kept:
+            if repeat < trial.spec.measure.repeats:
+                runs.append(PlannedRun(trial=trial, repeat=repeat, index=len(runs), skip_reason=reasons[trial.name]))
+    return runs
+
+
+NO_BUDGET = (
+    "--skip-predicted-oom needs a memory budget per device: give --memory-budget SIZE (e.g. --memory-budget 80GiB); "
+    "no GPU memory is recorded for this machine to default to"
+)
+
+
+def estimate_runs(
+    runs: Sequence[PlannedRun], *, budget_bytes: int | None = None, skip_predicted_oom: bool = False
+) -> list[PlannedRun]:
+    """Every run with its trial's memory estimate (:func:`hfscale.estimate.estimate_memory`, one per trial); with
+    ``skip_predicted_oom``, a run whose estimate does not fit ``budget_bytes`` per device (CUDA context included on
+    a GPU: :func:`hfscale.estimate.predict_fit`) is skipped with the predicted figure as its reason.
+
+    The estimate is advice: a trial it cannot model (an unknown model type or optimizer) keeps no estimate, is
+    launched, and the reason is logged.
+
+    Raises:
+        SweepError: when ``skip_predicted_oom`` is asked without a budget.
+    """
+    if skip_predicted_oom and budget_bytes is None:
+        raise SweepError(NO_BUDGET)
+    from hfscale.estimate import estimate_memory, predict_fit
+
+    by_trial: dict[str, tuple[MemoryEstimate | None, str | None, str | None]] = {}
+    out = []
+    for run in runs:
+        if run.name not in by_trial:
+            spec = run.trial.spec
+            try:
+                if skip_predicted_oom and budget_bytes is not None:
+                    fit = predict_fit(spec, budget_bytes)
+                    by_trial[run.name] = (fit.estimate, None, None if fit.fits else fit.reason)
+                else:
+                    by_trial[run.name] = (estimate_memory(spec), None, None)
+            except Exception as exc:  # advice only: a model the estimator cannot build must not stop the sweep
+                error = short(f"{type(exc).__name__}: {exc}", 300)  # transformers lists every model type
+                logger.warning("%s: no memory estimate (%s); it will be launched", run.name, error)
+                by_trial[run.name] = (None, error, None)
+        estimate, error, oom_reason = by_trial[run.name]
+        predicted_oom = run.skip_reason is None and oom_reason is not None
+        out.append(
+            dataclasses.replace(
+                run,
+                estimate=estimate,
+                estimate_error=error,
+                skip_reason=oom_reason if predicted_oom else run.skip_reason,
+                predicted_oom=predicted_oom,
+            )
+        )
+    return out
+
+
+def memory_budget(settings: SweepSettings, environment: Mapping[str, Any]) -> int | None:
+    """The memory per device trials must fit: ``--memory-budget``, else the smallest GPU's memory as the
+    environment record has it, else None (a CPU machine)."""
+    if settings.memory_budget_bytes is not None:
+        return settings.memory_budget_bytes
+    if not environment.get("gpu_count"):
+        return None  # a CPU machine: no device memory to default to
+    from hfscale.environment import gpu_memory_bytes
+
+    return gpu_memory_bytes(dict(environment))
+
+
+# -- dry run ------------------------------------------------------------------------------------------------------
+
+
+def dry_run_lines(
+    recipe: Recipe, settings: SweepSettings, launch: LaunchInfo, *, python: str = sys.executable
+) -> list[str]:
+    """The expanded trials, each one's predicted peak memory and the command each would run, without running
+    anything (configs go to a temporary folder, shown as ``RUN/trials/NAME``).
+
+    Raises:
+        SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
+    """
+    from hfscale.environment import gpu_info
+    from hfscale.launch import trial_command
+    from hfscale.run_folder import RunFolder
+
+    trials = recipe.resolve(num_processes=settings.num_processes, num_machines=settings.num_machines)
+    gpus = gpu_info(python=python)
+    runs = plan_runs(
+        trials, gpu_count=int(gpus.get("gpu_count") or 0), num_machines=settings.num_machines or 1, only=settings.only
+    )
+    budget = memory_budget(settings, gpus)
+    runs = estimate_runs(runs, budget_bytes=budget, skip_predicted_oom=settings.skip_predicted_oom)
+    lines = [f"recipe {recipe.name}: {len(trials)} trials, {len(runs)} runs (baseline {recipe.baseline})"]
+    if budget is not None:
+        lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
+    if settings.find_max_batch:
+        lines.append(
+            f"after each trial: search the largest batch that fits (up to {settings.max_batch_limit}, warm-up + "
+            f"{settings.probe_steps} steps per probe, starting from "
+            + ("the estimate's largest that fits the budget)" if budget is not None else "the trial's batch size)")
+        )
+    with tempfile.TemporaryDirectory(prefix="hfscale-dry-run-") as tmp:
+        folder = RunFolder(Path(tmp).resolve())
+        for run in runs:
+            if run.repeat > 0:
+                continue
+            strategy = run.trial.spec.strategy
+            lines.append(
+                f"- {run.name}: {strategy.describe()}" + (" [baseline]" if run.name == recipe.baseline else "")
+            )
+            lines.append(f"    {_estimate_line(run)}")
+            if run.skip_reason:
+                lines.append(f"    skipped: {run.skip_reason}")
+            files_dir = folder.repeat_dir(run.name, run.repeat, run.repeats)
+            cmd = trial_command(
+                run.trial, folder.trial_dir(run.name), files_dir, launch=launch, port=29500, python=python
+            )
+            lines.append("    " + " ".join(part.replace(str(folder.path), "RUN") for part in cmd))
+    return lines
+
+
+def _estimate_line(run: PlannedRun) -> str:
+    e = run.estimate
+    if e is None:
+        return f"predicted peak: not estimated ({run.estimate_error})"
+    parts = ", ".join(
+        f"{name} {getattr(e, f'{name}_gib'):.3f}"
+        for name in ("weights", "gradients", "optimizer", "activations", "overhead")
+    )
+    return f"predicted peak {e.total_gib:.3f} GiB per device ({parts})"
+
+
+def short(text: str, limit: int = 100) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+__all__ = [
+    "NO_BUDGET",
+    "PlannedRun",
+    "SettingError",
+    "SweepError",
+    "SweepSettings",
+    "dry_run_lines",
+    "estimate_runs",
+    "memory_budget",
+    "plan_runs",
+    "skip_reason",
+]

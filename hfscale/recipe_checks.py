@@ -1,0 +1,175 @@
+"""What a recipe may say beyond its types: a run folder's name, a model transformers knows with a vocabulary the data
+fits, measurement counts in range, and which ``TrainingArguments`` keywords a recipe may set (the strategy and the
+runner own the others). Every check raises :class:`hfscale.validation.Invalid` at the dotted key it is about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, get_args, get_origin
+
+from hfscale.spec import DataSpec, MeasureSpec, ModelSpec
+from hfscale.validation import Invalid, float_text, join_path
+
+# TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
+# them (they would be silently overridden), and the message says where they belong instead.
+OWNED_TRAINING_ARGS: dict[str, str] = {
+    "per_device_train_batch_size": "the strategy's per_device_batch_size",
+    "gradient_accumulation_steps": "the strategy's gradient_accumulation_steps",
+    "fp16": "the strategy's precision (fp32, fp16 or bf16)",
+    "bf16": "the strategy's precision (fp32, fp16 or bf16)",
+    "half_precision_backend": "the strategy's precision",
+    "optim": "the strategy's optimizer",
+    "gradient_checkpointing": "the strategy's gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "activation_checkpointing": "the strategy's gradient_checkpointing",
+    "activation_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "deepspeed": "the strategy's deepspeed section",
+    "fsdp": "the strategy's fsdp section",
+    "fsdp_config": "the strategy's fsdp section",
+    "use_cpu": "the recipe's device",
+    "no_cuda": "the recipe's device",
+    "local_rank": "the launcher",
+    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
+    "max_steps": "the recipe's measure.max_steps",
+    "num_train_epochs": "the recipe's measure.num_epochs",
+    "output_dir": "the sweep (each trial writes into its own folder)",
+}
+
+# TrainingArguments keywords a recipe may not turn on, and why.
+REFUSED_TRAINING_ARGS: dict[str, str] = {
+    "auto_find_batch_size": (
+        "refused: after an out-of-memory error the Trainer halves the batch and trains again, so the row would be "
+        "measured at a batch other than the strategy's (and the callbacks restart, losing the OOM); search for the "
+        "largest batch that fits with `hfscale sweep --find-max-batch` instead"
+    ),
+}
+
+
+def check_folder_name(name: str, path: str) -> None:
+    """Run folders are named after the recipe: a path (``../../x``, ``/x``) would write outside ``--out-dir``."""
+    if not name or name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+        raise Invalid(
+            path,
+            f"{name!r} is not a plain folder name (it names the run folder under --out-dir): no '/', '\\', and "
+            "not '.' or '..'",
+        )
+
+
+def check_model(model: ModelSpec, data: DataSpec) -> None:
+    """Refuse an unknown ``model.type`` and token ids beyond the vocabulary now, not when the trial runs.
+
+    Builds the config only (:func:`hfscale.model.build_config`, no weights); skipped without transformers, and for
+    a ``pretrained`` name whose config cannot be read here (offline): the trial then says.
+    """
+    try:
+        from hfscale.model import build_config, check_vocabulary
+    except ImportError:
+        return
+    try:
+        config = build_config(model, data)
+    except ImportError:  # transformers is missing: the trial checks it
+        return
+    except OSError:
+        if model.pretrained:
+            return  # a hub name offline: cannot be read here
+        raise
+    except ValueError as exc:
+        if model.pretrained:
+            raise Invalid("model.pretrained", str(exc)) from exc
+        from transformers import CONFIG_MAPPING
+
+        known = sorted(CONFIG_MAPPING.keys())
+        if model.type not in known:
+            close = difflib.get_close_matches(model.type, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise Invalid(
+                "model.type",
+                f"unknown model type {model.type!r}{hint}: expected a transformers model_type (bert, gpt2, llama, ...)",
+            ) from exc
+        raise Invalid("model.config", str(exc)) from exc
+    try:
+        check_vocabulary(config, data)
+    except ValueError as exc:
+        raise Invalid("data.token_high", str(exc)) from exc
+
+
+def check_measure(measure: MeasureSpec, path: str) -> None:
+    """Range checks for :class:`~hfscale.spec.MeasureSpec` (the dataclass itself only holds the values)."""
+    if measure.warmup_steps < 0:
+        raise Invalid(join_path(path, "warmup_steps"), f"expected 0 or more, got {measure.warmup_steps}")
+    if measure.max_steps is not None and measure.max_steps < 1:
+        raise Invalid(join_path(path, "max_steps"), f"expected a positive integer or null, got {measure.max_steps}")
+    if measure.num_epochs <= 0:
+        raise Invalid(join_path(path, "num_epochs"), f"expected a positive number, got {measure.num_epochs}")
+    if measure.repeats < 1:
+        raise Invalid(join_path(path, "repeats"), f"expected a positive integer, got {measure.repeats}")
+    if measure.timeout_s <= 0:
+        raise Invalid(join_path(path, "timeout_s"), f"expected a positive number of seconds, got {measure.timeout_s}")
+    if measure.target_precision is not None and not 0 < measure.target_precision < 1:
+        raise Invalid(
+            join_path(path, "target_precision"),
+            f"expected a fraction between 0 and 1 (0.05 for ± 5%), got {measure.target_precision}",
+        )
+    if measure.target_precision is not None and measure.max_repeats < max(measure.repeats, 2):
+        raise Invalid(
+            join_path(path, "max_repeats"),
+            f"expected at least {max(measure.repeats, 2)} (repeats, and two runs to see run-to-run noise), "
+            f"got {measure.max_repeats}",
+        )
+    if measure.max_time_s is not None and measure.max_time_s <= 0:
+        raise Invalid(join_path(path, "max_time_s"), f"expected a positive number of seconds, got {measure.max_time_s}")
+
+
+def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
+    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
+    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
+    float."""
+    for key, value in training_args.items():
+        if key in REFUSED_TRAINING_ARGS and value:
+            raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
+        if key in OWNED_TRAINING_ARGS:
+            raise Invalid(
+                join_path(path, key),
+                f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
+            )
+    known = _training_args_fields()
+    if known is None:
+        return dict(training_args)
+    out = {}
+    for key, value in training_args.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
+        number = float_text(value)
+        out[key] = number if number is not None and known[key] else value
+    return out
+
+
+def _training_args_fields() -> dict[str, bool] | None:
+    """``TrainingArguments``' field names (-> whether the field takes a float), or None when transformers is not
+    installed (the trial then checks them)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if f.init:
+            tp = f.type
+            out[f.name] = tp is float or (get_origin(tp) in (typing.Union, types.UnionType) and float in get_args(tp))
+    return out
+
+
+__all__ = [
+    "OWNED_TRAINING_ARGS",
+    "REFUSED_TRAINING_ARGS",
+    "check_folder_name",
+    "check_measure",
+    "check_model",
+    "check_training_args",
+]

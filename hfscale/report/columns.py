@@ -1,0 +1,328 @@
+"""The columns of the comparison table, each declared once: its key in the DataFrame (unit in the name), the
+header a report prints, its unit, its alignment and how a value is written.
+
+The report's tables are selections of these columns (:func:`trial_columns`, :data:`MEMORY_COLUMNS`); a few cells
+combine several values (status with its reason, the parity verdict, the notes) and say so in ``cell``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Align = Literal["left", "right"]
+
+
+def is_missing(value: Any) -> bool:
+    """None, NaN and pandas' NA: a figure that was not measured."""
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return math.isnan(value)
+    return type(value).__name__ in ("NAType", "NaTType")
+
+
+def fmt(value: Any, digits: int | None = None) -> str:
+    """A number with ``digits`` decimals (None: as an integer), text as it is, or an em dash when the value was
+    not measured."""
+    if is_missing(value):
+        return "—"
+    if isinstance(value, str | bool):
+        return str(value)
+    if digits is None:
+        return str(int(value))
+    return f"{value:.{digits}f}"
+
+
+def short(text: Any, limit: int = 90) -> str:
+    """One line, cut at ``limit`` characters with an ellipsis."""
+    line = " ".join(("" if is_missing(text) else str(text)).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Column:
+    """One column: what it holds, in which unit, and how a table shows it."""
+
+    key: str
+    """The DataFrame column (units in the name: ``peak_gib``, ``wall_time_s``)."""
+    header: str
+    """What a table prints above it."""
+    unit: str | None = None
+    """GiB, s, samples/s, tokens/s, %, x; None for text, counts and flags."""
+    align: Align = "right"
+    """Numbers right-aligned (with tabular figures in HTML), text left."""
+    digits: int | None = None
+    """Decimals a table shows; None: an integer or text."""
+    cell: Callable[[Row], str] | None = None
+    """For a cell that combines several values; None: the value of ``key`` with ``digits``."""
+
+    def text(self, row: Row) -> str:
+        """The cell of one row."""
+        return self.cell(row) if self.cell is not None else fmt(row.get(self.key), self.digits)
+
+
+def _num(key: str, header: str, unit: str | None, digits: int | None) -> Column:
+    return Column(key=key, header=header, unit=unit, digits=digits)
+
+
+def _text(key: str, header: str, cell: Callable[[Row], str] | None = None) -> Column:
+    return Column(key=key, header=header, align="left", cell=cell)
+
+
+def status_cell(row: Row, limit: int = 90) -> str:
+    return (
+        row["status"]
+        if row["status"] == "ok" or is_missing(row.get("reason"))
+        else (f"{row['status']}: {short(row['reason'], limit)}")
+    )
+
+
+def _parity_cell(row: Row, limit: int = 70) -> str:
+    status, reason = row.get("parity_status"), row.get("parity_reason")
+    if is_missing(status):
+        return "—"
+    if status == "baseline":
+        return "reference"
+    if status == "ok":
+        deviation = row.get("parity_max_deviation_pct")
+        return "ok" + ("" if is_missing(deviation) else f" (max {deviation:.1f} %)")
+    if status == "flagged":
+        return "FLAGGED" + ("" if is_missing(reason) else f": {short(reason, limit)}")
+    return "not compared" + ("" if is_missing(reason) else f": {short(reason, limit)}")
+
+
+def _notes_cell(row: Row) -> str:
+    notes = []
+    if row.get("is_baseline"):
+        notes.append("baseline")
+    if row.get("on_pareto_front"):
+        notes.append("Pareto")
+    if row.get("recommended"):
+        notes.append("fastest that fits" if row.get("budget_known") else "fastest")
+    if row.get("ties_with_fastest"):
+        notes.append("ties on speed with the fastest")
+    if row.get("least_memory"):
+        notes.append("least memory")
+    if row.get("fits_budget") is False:
+        notes.append("over budget")
+    if row.get("unstable") is True:
+        reason = row.get("unstable_reason")
+        notes.append("may be unstable" + ("" if is_missing(reason) else f": {short(reason, 80)}"))
+    if row.get("parity_status") == "flagged":
+        reason = row.get("parity_reason")
+        notes.append("loss flagged" + ("" if is_missing(reason) else f": {short(reason, 60)}"))
+    elif row.get("parity_status") == "ok":
+        notes.append("loss parity ok")
+    return "; ".join(notes)
+
+
+def _num_or_none(row: Row, key: str) -> float | None:
+    value = row.get(key)
+    return None if is_missing(value) else float(value)
+
+
+def interval_cell(row: Row, key: str = "samples_per_s", digits: int = 2) -> str:
+    """``31.90–32.60 (120 steps x 3 runs)``; ``single run, no interval`` for a measured figure without step times;
+    an em dash when the figure was not measured."""
+    if is_missing(row.get(key)):
+        return "—"
+    low, high = _num_or_none(row, f"{key}_low"), _num_or_none(row, f"{key}_high")
+    if low is None or high is None:
+        return "single run, no interval"
+    steps, repeats = row.get("steps_n"), row.get("repeats_n")
+    over = ""
+    if not is_missing(steps):
+        runs = f" x {int(repeats)} runs" if not is_missing(repeats) and repeats > 1 else ""
+        over = f" ({int(steps)} steps{runs})"
+    return f"{low:.{digits}f}–{high:.{digits}f}{over}"
+
+
+def speedup_cell(row: Row) -> str:
+    """The speed-up with its interval; ``≈`` marks a tie with the baseline (inside the noise)."""
+    value = _num_or_none(row, "speedup_vs_baseline")
+    if value is None:
+        return "—"
+    verdict = row.get("verdict")
+    text = f"≈ {value:.2f}" if verdict == "tie" else f"{value:.2f}"
+    low, high = _num_or_none(row, "speedup_low"), _num_or_none(row, "speedup_high")
+    if low is not None and high is not None and verdict != "baseline":
+        text += f" ({low:.2f}–{high:.2f})"
+    return text
+
+
+def _saved_cell(row: Row) -> str:
+    value = _num_or_none(row, "memory_saved_pct")
+    if value is None:
+        return "—"
+    low, high = _num_or_none(row, "memory_saved_pct_low"), _num_or_none(row, "memory_saved_pct_high")
+    return f"{value:.1f}" + ("" if low is None or high is None else f" ({low:.1f}–{high:.1f})")
+
+
+def _mfu_cell(row: Row) -> str:
+    """MFU with the peak it divides by: ``48.6 of 66.9 (fp32)``."""
+    mfu = _num_or_none(row, "mfu_pct")
+    if mfu is None:
+        return "—"
+    peak, dtype = _num_or_none(row, "peak_tflops"), row.get("compute_dtype")
+    where = "" if peak is None else f" of {peak:.3g}" + ("" if is_missing(dtype) else f" ({dtype})")
+    return f"{mfu:.1f}{where}"
+
+
+def _peak_range_cell(row: Row) -> str:
+    low, high = _num_or_none(row, "peak_gib_min"), _num_or_none(row, "peak_gib_max")
+    return "—" if low is None or high is None else f"{low:.3f}–{high:.3f}"
+
+
+def _max_batch_cell(row: Row) -> str:
+    if is_missing(row.get("batch_searched")):
+        return "—"
+    if not row["batch_searched"]:
+        return "not searched"
+    if is_missing(row.get("max_batch_size")):
+        return "none fits"
+    speed = row.get("max_batch_samples_per_s")
+    plus = "+" if row.get("batch_reached_upper_limit") else ""
+    return f"{int(row['max_batch_size'])}{plus}" + ("" if is_missing(speed) else f" ({speed:.2f}/s)")
+
+
+def _optimizer_cell(row: Row) -> str:
+    if row.get("optimizer_in_gradients"):
+        return "in gradients"
+    if row.get("first_step_skipped"):
+        return "in other (1st step skipped)"
+    return fmt(row.get("optimizer_gib"), 3)
+
+
+COLUMNS: dict[str, Column] = {
+    c.key: c
+    for c in (
+        _text("trial", "trial"),
+        _text("description", "strategy"),
+        _text("status", "status", status_cell),
+        _num("runs", "runs", None, None),
+        _num("wall_time_s", "wall time (s)", "s", 2),
+        _num("train_runtime_s", "train time (s)", "s", 2),
+        _num("samples_per_s", "samples/s (steady)", "samples/s", 2),
+        Column(key="samples_per_s_low", header="samples/s 95% interval", unit="samples/s", cell=interval_cell),
+        Column(key="peak_gib_min", header="peak range over runs (GiB)", unit="GiB", cell=_peak_range_cell),
+        _num("step_time_cv_pct", "step time CV (%)", "%", 1),
+        _num("achieved_tflops", "TFLOP/s per device", "TFLOP/s", 1),
+        _num("energy_j", "energy per run (J)", "J", 0),
+        _num("energy_per_sample_j", "energy per sample (J)", "J", 3),
+        _num("cost_per_m_tokens", "cost per M tokens", None, 3),
+        _num("samples_per_s_spread_pct", "samples/s spread (%)", "%", 1),
+        _num("trainer_samples_per_s", "samples/s (Trainer)", "samples/s", 2),
+        _num("tokens_per_s", "tokens/s", "tokens/s", 0),
+        Column(key="mfu_pct", header="MFU (% of peak TFLOP/s)", unit="%", cell=_mfu_cell),
+        _num("world_size", "processes", None, None),
+        _num("peak_gib", "peak memory (GiB)", "GiB", 3),
+        _num("peak_reserved_gib", "peak reserved (GiB)", "GiB", 3),
+        _num("nvml_process_used_gib", "NVML process (GiB)", "GiB", 3),
+        _num("predicted_gib", "predicted peak (GiB)", "GiB", 3),
+        _num("estimate_error_pct", "prediction error (%)", "%", 1),
+        Column(key="max_batch_size", header="max batch (samples/s)", cell=_max_batch_cell),
+        Column(key="speedup_vs_baseline", header="speed-up vs baseline (x)", unit="x", cell=speedup_cell),
+        Column(key="memory_saved_pct", header="memory saved vs baseline (%)", unit="%", cell=_saved_cell),
+        _num("final_loss", "final loss", None, 4),
+        _text("parity_status", "loss parity", _parity_cell),
+        _text("notes", "notes", _notes_cell),
+        _num("weights_gib", "weights (GiB)", "GiB", 3),
+        _num("gradients_gib", "gradients (GiB)", "GiB", 3),
+        Column(key="optimizer_gib", header="optimizer (GiB)", unit="GiB", digits=3, cell=_optimizer_cell),
+        _num("activations_gib", "activations (GiB)", "GiB", 3),
+        _num("other_gib", "other (GiB)", "GiB", 3),
+        _num("alloc_retries", "alloc retries", None, None),
+        _num("step_time_median_s", "step time median (s)", "s", 4),
+        _text("memory_notes", "how to read the phases"),
+    )
+}
+"""Every column a report table shows, by DataFrame key."""
+
+
+def select(*keys: str, **headers: str) -> list[Column]:
+    """The declared columns ``keys``, in order; ``headers`` renames some for one table."""
+    from dataclasses import replace
+
+    return [replace(COLUMNS[k], header=headers[k]) if k in headers else COLUMNS[k] for k in keys]
+
+
+def trial_columns(
+    *, repeats: bool, batch_search: bool, step_times: bool = False, energy: bool = False, cost: bool = False
+) -> list[Column]:
+    """The Trials table: repeat statistics only when a trial ran more than once, the step-time dispersion only
+    when step times were kept, energy only where a GPU counted it, cost only with a price, the largest batch only
+    when the sweep searched for it."""
+    return select(
+        "trial",
+        "description",
+        "status",
+        "wall_time_s",
+        "train_runtime_s",
+        "samples_per_s",
+        "samples_per_s_low",
+        *(("runs", "samples_per_s_spread_pct") if repeats else ()),
+        *(("step_time_cv_pct",) if step_times else ()),
+        *(("cost_per_m_tokens",) if cost else ()),
+        "trainer_samples_per_s",
+        "tokens_per_s",
+        "achieved_tflops",
+        "mfu_pct",
+        *(("energy_j", "energy_per_sample_j") if energy else ()),
+        "peak_gib",
+        *(("peak_gib_min",) if repeats else ()),
+        "predicted_gib",
+        "estimate_error_pct",
+        *(("max_batch_size",) if batch_search else ()),
+        "speedup_vs_baseline",
+        "memory_saved_pct",
+        "final_loss",
+        "parity_status",
+        "notes",
+    )
+
+
+MEMORY_COLUMNS: list[Column] = [
+    *select("trial"),
+    Column(key="status", header="status", align="left"),
+    *select(
+        "world_size",
+        "peak_gib",
+        "peak_reserved_gib",
+        "nvml_process_used_gib",
+        "predicted_gib",
+        "estimate_error_pct",
+        "weights_gib",
+        "gradients_gib",
+        "optimizer_gib",
+        "activations_gib",
+        "other_gib",
+        "alloc_retries",
+        "step_time_median_s",
+        "memory_notes",
+        peak_gib="peak (GiB)",
+        predicted_gib="estimate (GiB)",
+        estimate_error_pct="estimate vs peak (%)",
+    ),
+]
+"""The Memory table: where each trial's memory went."""
+
+
+__all__ = [
+    "COLUMNS",
+    "MEMORY_COLUMNS",
+    "Column",
+    "fmt",
+    "interval_cell",
+    "is_missing",
+    "select",
+    "short",
+    "speedup_cell",
+    "status_cell",
+    "trial_columns",
+]

@@ -1,0 +1,320 @@
+"""Two runs side by side: the same trials (matched by name) with B/A ratios, from the same analysis, model and
+templates as the report of one run (``hfscale compare RUN_A RUN_B``), and for each trial in both a significance
+test of the change in speed: the bootstrap interval of the ratio of time per sample (B over A, from the step
+times), read as "B is 7.0% ± 2.1% slower" or "no significant change" (the interval holds 1 or the change is within
+the 2% noise threshold). ``--fail-on-regression PCT`` turns that into an exit code for CI."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hfscale import stats
+from hfscale.report.analysis import Summary, summarize_run
+from hfscale.report.columns import COLUMNS, Column, status_cell
+from hfscale.report.machine import env_header, env_items
+from hfscale.report.model import Figure, Report, Section, Table, records
+from hfscale.report.noise import NOISE_THRESHOLD, speed_ratio
+from hfscale.report.text import plain
+from hfscale.report.write import ReportPaths, write_files
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+COMPARE_MD = "compare.md"
+COMPARE_HTML = "compare.html"
+COMPARE_CSV = "compare.csv"
+
+RATIO_KEYS = ("samples_per_s", "tokens_per_s", "step_time_median_s", "peak_gib", "wall_time_s")
+"""Figures compared as B/A (wall time: in the CSV only, the table is wide enough)."""
+_SIDE_KEYS = ("description", "status", "reason", "final_loss", "mfu_pct")
+
+
+def compare_runs(a: str | Path | pd.DataFrame, b: str | Path | pd.DataFrame) -> pd.DataFrame:
+    """Two runs' comparison tables side by side: one row per trial name in either run (A's order, then B's new
+    ones), each figure as ``{key}_a`` and ``{key}_b``, and ``{key}_ratio`` = B / A for samples/s, tokens/s, step
+    time, peak memory and wall time. A trial in one run only has the other run's columns empty.
+
+    ``a`` and ``b`` are run folders or tables from :func:`hfscale.load_run`.
+
+    Raises:
+        ReportError: when a folder is not a readable run folder.
+    """
+    import pandas as pd
+
+    frames = [summarize_run(x).trials if not isinstance(x, pd.DataFrame) else x for x in (a, b)]
+    keys = [k for k in (*_SIDE_KEYS, *RATIO_KEYS) if k in frames[0].columns or k in frames[1].columns]
+    sides = [f.reset_index(drop=True).reindex(columns=["trial", *keys]).set_index("trial") for f in frames]
+    names = list(sides[0].index) + [n for n in sides[1].index if n not in sides[0].index]
+    out = pd.DataFrame(index=pd.Index(names, name="trial"))
+    for suffix, side in zip(("_a", "_b"), sides, strict=True):
+        out = out.join(side.add_suffix(suffix))
+    for key in RATIO_KEYS:
+        a_values, b_values = out[f"{key}_a"].astype(float), out[f"{key}_b"].astype(float)
+        out[f"{key}_ratio"] = b_values / a_values.where(a_values != 0)
+    out.insert(0, "trial", out.index)
+    return out
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None or value != value else float(value)
+
+
+def significance(a: Summary, b: Summary) -> pd.DataFrame:
+    """For each trial that finished ok in both runs: ``time_ratio`` (time per sample, B / A; above 1: B is
+    slower) with ``time_ratio_low``/``_high`` (95% bootstrap interval; None where either run kept no step times),
+    ``change`` (``slower``, ``faster``, ``no significant change``, or ``not tested`` without step times and
+    beyond the noise threshold) and ``change_text`` ("B is 7.0% ± 2.1% slower")."""
+    import pandas as pd
+
+    records = []
+    for name in a.trials.index:
+        if name not in b.trials.index:
+            continue
+        ra, rb = a.trials.loc[name], b.trials.loc[name]
+        speed_a, speed_b = _float(ra["samples_per_s"]), _float(rb["samples_per_s"])
+        if ra["status"] != "ok" or rb["status"] != "ok" or not speed_a or not speed_b:
+            continue
+        interval = speed_ratio(
+            a.step_groups.get(name, []),
+            _float(ra.get("samples_per_step")),
+            b.step_groups.get(name, []),
+            _float(rb.get("samples_per_step")),
+        )
+        ratio = speed_a / speed_b if interval is None else interval.value
+        pct = 100 * (ratio - 1)
+        if interval is None:
+            change = "no significant change" if abs(ratio - 1) <= NOISE_THRESHOLD else "not tested"
+            text = (
+                f"no significant change ({pct:+.1f}%, within the 2% noise threshold; no step times)"
+                if change == "no significant change"
+                else f"B is {abs(pct):.1f}% {'slower' if pct > 0 else 'faster'}: not tested (no step times)"
+            )
+        else:
+            verdict = stats.verdict(interval, noise_threshold=NOISE_THRESHOLD)
+            change = {"higher": "slower", "lower": "faster", "tie": "no significant change"}[verdict]
+            half = 100 * (interval.high - interval.low) / 2
+            text = (
+                f"no significant change ({pct:+.1f}% ± {half:.1f}%)"
+                if verdict == "tie"
+                else f"B is {abs(pct):.1f}% ± {half:.1f}% {change}"
+            )
+        records.append(
+            {
+                "trial": name,
+                "time_ratio": ratio,
+                "time_ratio_low": None if interval is None else interval.low,
+                "time_ratio_high": None if interval is None else interval.high,
+                "change_pct": pct,
+                "change": change,
+                "change_text": text,
+            }
+        )
+    columns = ["trial", "time_ratio", "time_ratio_low", "time_ratio_high", "change_pct", "change", "change_text"]
+    return pd.DataFrame.from_records(records, columns=columns).set_index("trial", drop=False)
+
+
+def regressions(table: pd.DataFrame, threshold_pct: float) -> list[str]:
+    """Trials significantly slower in B by more than ``threshold_pct`` percent (the point estimate of the change;
+    untested changes never count)."""
+    slow = table[(table["change"] == "slower") & (table["change_pct"] > threshold_pct)]
+    return list(slow["trial"])
+
+
+def _labels(a: Path, b: Path) -> tuple[str, str]:
+    label_a, label_b = a.resolve().name, b.resolve().name
+    return (f"A ({label_a})", f"B ({label_b})") if label_a == label_b else (label_a, label_b)
+
+
+def _side(key: str, suffix: str, label: str, header: str | None = None) -> Column:
+    column = COLUMNS[key]
+    return dataclasses.replace(column, key=f"{key}{suffix}", header=header or f"{column.header} {label}", cell=None)
+
+
+def _compare_columns(label_a: str, label_b: str) -> list[Column]:
+    def status(suffix: str, label: str) -> Column:
+        return Column(
+            key=f"status{suffix}",
+            header=f"status {label}",
+            align="left",
+            cell=lambda r: status_cell({"status": r[f"status{suffix}"], "reason": r[f"reason{suffix}"]}, 40),
+        )
+
+    def strategy(r: Mapping[str, Any]) -> str:
+        da, db = r["description_a"], r["description_b"]
+        return da if da == db else f"{da} / {db}"
+
+    columns = [COLUMNS["trial"], Column(key="strategy", header="strategy", align="left", cell=strategy)]
+    columns += [status("_a", label_a), status("_b", label_b)]
+    for key in RATIO_KEYS[:-1]:
+        header = COLUMNS[key].header.replace(" (steady)", "")
+        columns += [
+            _side(key, "_a", label_a, header=f"{header} {label_a}"),
+            _side(key, "_b", label_b, header=f"{header} {label_b}"),
+            Column(key=f"{key}_ratio", header=f"{header} B/A (x)", unit="x", digits=2),
+        ]
+    columns += [_side("final_loss", "_a", label_a), _side("final_loss", "_b", label_b)]
+    columns += [_side("mfu_pct", "_a", label_a, header=f"MFU {label_a} (%)")]
+    columns += [_side("mfu_pct", "_b", label_b, header=f"MFU {label_b} (%)")]
+    return columns
+
+
+_ALWAYS_DIFFERENT = ("time", "command", "launch.", "resumed", "sweep")
+# Keys the header lines already show (package versions stay: one row each reads better than the joined line).
+_IN_HEADER = (
+    "host",
+    "platform",
+    "python",
+    "cpu_model",
+    "cpu_count",
+    "host_memory_total_gib",
+    "gpus",
+    "gpu_count",
+    "driver_version",
+    "cuda_driver_version",
+    "cuda_version",
+    "cudnn_version",
+)
+
+
+def _environment_table(env_a: Mapping[str, Any], env_b: Mapping[str, Any], label_a: str, label_b: str) -> Table:
+    """The header lines of both runs, then every other recorded key whose value differs (left out: keys that
+    differ between any two runs, such as the start time and the command line); differing rows are starred."""
+
+    def pairs(a: dict[str, str], b: dict[str, str], keys: Iterable[str]) -> list[tuple[bool, list[str]]]:
+        return [(a.get(k) != b.get(k), [k, a.get(k, "—"), b.get(k, "—")]) for k in keys]
+
+    head_a, head_b = dict(env_header(env_a)), dict(env_header(env_b))
+    rows = pairs(head_a, head_b, list(head_a) + [k for k in head_b if k not in head_a])
+    a, b = dict(env_items(env_a)), dict(env_items(env_b))
+    keys = [k for k in list(a) + [k for k in b if k not in a] if not k.startswith(_ALWAYS_DIFFERENT)]
+    if head_a or head_b:
+        keys = [k for k in keys if a.get(k) != b.get(k) and not (k in _IN_HEADER or k.startswith("git."))]
+    rows += pairs(a, b, keys)
+    return Table.text(
+        ["", label_a, label_b],
+        ([("* " if differs else "") + cells[0], *cells[1:]] for differs, cells in rows),
+        row_classes=["warn" if differs else "" for differs, _ in rows],
+        css="env",
+    )
+
+
+def write_comparison(run_a: str | Path, run_b: str | Path, *, out_dir: str | Path | None = None) -> ReportPaths:
+    """Write ``compare.md``, ``compare.html`` and ``compare.csv``: the trials of two runs side by side.
+
+    ``out_dir`` defaults to ``compare-A-vs-B`` in the current folder.
+
+    Raises:
+        ReportError: when either folder has no results.
+        ImportError: when matplotlib is missing (``pip install 'hfscale[report]'``).
+    """
+    paths, _ = write_comparison_of(summarize_run(run_a), summarize_run(run_b), out_dir=out_dir)
+    return paths
+
+
+def write_comparison_of(
+    a: Summary, b: Summary, *, out_dir: str | Path | None = None
+) -> tuple[ReportPaths, pd.DataFrame]:
+    """:func:`write_comparison` of two summaries; also returns the significance table (:func:`significance`)."""
+    from hfscale.report.plots import plot_compare
+
+    run_a, run_b = a.run_dir, b.run_dir
+    label_a, label_b = _labels(Path(run_a), Path(run_b))
+    table = compare_runs(a.trials, b.trials)
+    tests = significance(a, b)
+    table = table.join(tests.drop(columns=["trial"]))
+    in_a, in_b = table["status_a"].notna(), table["status_b"].notna()
+    matched = table[in_a & in_b]
+    only_a, only_b = list(table["trial"][in_a & ~in_b]), list(table["trial"][in_b & ~in_a])
+    png = plot_compare(matched, label_a, label_b)
+    figures = (
+        [
+            Figure(
+                name="compare.png",
+                title="Throughput and peak memory",
+                caption=f"Bars: {label_a} and {label_b} for each trial in both runs.",
+                png=png,
+            )
+        ]
+        if png
+        else []
+    )
+    intro = (
+        f"Run A: {a.run_dir} ({len(a.trials)} trials); run B: {b.run_dir} ({len(b.trials)} trials); "
+        f"{len(matched)} in both. B/A above 1 means B is faster (samples/s, tokens/s) or uses more "
+        "(step time, peak memory, wall time)."
+    )
+    only = [f"Only in {label}: {', '.join(names)}." for label, names in ((label_a, only_a), (label_b, only_b)) if names]
+    sections = [
+        Section(title="Runs", items=tuple(plain(line) for line in only)) if only else None,
+        Section(
+            title="Environments",
+            paragraphs=(
+                plain(
+                    "Rows that differ are starred (*); below the header lines, only the other recorded keys "
+                    "that differ."
+                ),
+            ),
+            table=_environment_table(a.environment, b.environment, label_a, label_b),
+        ),
+        Section(
+            title="Change in speed (B against A)",
+            table=Table.of(_CHANGE_COLUMNS, records(tests)),
+            notes=(plain(CHANGE_NOTE),),
+        )
+        if len(tests)
+        else None,
+        Section(title="Trials", table=Table.of(_compare_columns(label_a, label_b), records(matched))),
+        *(Section(title=f.title, figure=f) for f in figures),
+    ]
+    report = Report(
+        title=f"hfscale compare: {label_a} vs {label_b}",
+        intro=(plain(intro),),
+        sections=tuple(s for s in sections if s is not None),
+        figures=tuple(figures),
+    )
+    out = (
+        Path(out_dir)
+        if out_dir is not None
+        else Path(f"compare-{Path(run_a).resolve().name}-vs-{Path(run_b).resolve().name}")
+    )
+    csv = table.drop(columns=[c for c in table.columns if c.startswith(("description", "reason", "mfu_pct"))])
+    return write_files(out, report, figures, csv, (COMPARE_MD, COMPARE_HTML, COMPARE_CSV)), tests
+
+
+_CHANGE_COLUMNS = [
+    COLUMNS["trial"],
+    Column(key="change_text", header="B against A", align="left"),
+    Column(key="time_ratio", header="time per sample B/A (x)", unit="x", digits=3),
+    Column(
+        key="time_ratio_low",
+        header="95% interval",
+        unit="x",
+        cell=lambda r: (
+            "no step times"
+            if r.get("time_ratio_low") is None
+            else f"{r['time_ratio_low']:.3f}–{r['time_ratio_high']:.3f}"
+        ),
+    ),
+]
+CHANGE_NOTE = (
+    "Time per sample is the mean step time over samples per step (all processes); its ratio B/A comes with a 95% "
+    "percentile-bootstrap interval over both runs' steps (and repeats). No significant change: the interval holds 1 "
+    "or the change is within 2% (the noise threshold). ± is half the interval's width. Without step times (rows "
+    "written before hfscale kept them) only a change within 2% can be called; a larger one is not tested."
+)
+
+
+__all__ = [
+    "COMPARE_CSV",
+    "COMPARE_HTML",
+    "COMPARE_MD",
+    "RATIO_KEYS",
+    "compare_runs",
+    "regressions",
+    "significance",
+    "write_comparison",
+    "write_comparison_of",
+]

@@ -1,0 +1,364 @@
+"""The report as a model: sections with a title, text, a table of declared columns and figures, built once from
+the analysis; ``hfscale.report.render`` turns the same model into Markdown and into HTML."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hfscale.report.budget import BUDGET_COLUMNS, BUDGET_NOTE, budget_rows
+from hfscale.report.columns import MEMORY_COLUMNS, Align, Column, fmt, short, trial_columns
+from hfscale.report.machine import env_header, env_items
+from hfscale.report.text import Text, plain, rich
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from hfscale.batch_search import BatchSearchRecord
+    from hfscale.report.analysis import Summary
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table:
+    """Cells already written; each column keeps its declared alignment."""
+
+    headers: tuple[str, ...]
+    aligns: tuple[Align, ...]
+    rows: tuple[tuple[str, ...], ...]
+    row_classes: tuple[str, ...] = ()
+    """Per row, how HTML colours it: ``fail``, ``warn``, ``skip``, ``rec`` or empty."""
+    css: str = ""
+
+    @property
+    def show_header(self) -> bool:
+        return any(self.headers)
+
+    @classmethod
+    def of(
+        cls,
+        columns: Sequence[Column],
+        records: Sequence[Mapping[str, Any]],
+        *,
+        row_class: Callable[[Mapping[str, Any]], str] | None = None,
+        css: str = "",
+    ) -> Table:
+        return cls(
+            headers=tuple(c.header for c in columns),
+            aligns=tuple(c.align for c in columns),
+            rows=tuple(tuple(c.text(r) for c in columns) for r in records),
+            row_classes=tuple(row_class(r) if row_class else "" for r in records),
+            css=css,
+        )
+
+    @classmethod
+    def text(
+        cls, headers: Sequence[str], rows: Iterable[Sequence[str]], *, row_classes: Sequence[str] = (), css: str = ""
+    ) -> Table:
+        """A table of text, left-aligned (the environment)."""
+        rows = tuple(tuple(r) for r in rows)
+        return cls(
+            headers=tuple(headers), aligns=("left",) * len(headers), rows=rows, row_classes=tuple(row_classes), css=css
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Figure:
+    """A plot: written beside the Markdown as ``name``, embedded in the HTML."""
+
+    name: str
+    title: str
+    caption: str
+    png: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    title: str
+    level: int = 2
+    paragraphs: tuple[Text, ...] = ()
+    items: tuple[Text, ...] = ()
+    """A list; ``boxed`` shows it in a box (the recommendation)."""
+    boxed: bool = False
+    table: Table | None = None
+    notes: tuple[Text, ...] = ()
+    """Definitions under the table."""
+    figure: Figure | None = None
+    code: str | None = None
+    collapsed: str | None = None
+    """HTML folds the table under this label (the full environment record)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    title: str
+    intro: tuple[Text, ...]
+    sections: tuple[Section, ...] = field(default_factory=tuple)
+    figures: tuple[Figure, ...] = ()
+
+
+def records(frame: pd.DataFrame, **extra: Any) -> list[dict[str, Any]]:
+    """The table's rows as plain dicts, missing values as None."""
+    plain_frame = frame.astype(object).where(frame.notna(), None)
+    return [{**r, **extra} for r in plain_frame.to_dict("records")]
+
+
+def row_class(row: Mapping[str, Any]) -> str:
+    if row["status"] in ("oom", "crashed", "timeout"):
+        return "fail"
+    if row["status"] == "not_applied" or row.get("parity_status") == "flagged":
+        return "warn"
+    if row["status"] == "skipped":
+        return "skip"
+    return "rec" if row.get("recommended") else ""
+
+
+NO_ENVIRONMENT = "No environment.json in this run folder: the machine and library versions are unknown."
+
+DEFINITIONS = (
+    "**samples/s (steady)**: all processes together, the warm-up steps left out: the samples of the measured steps "
+    "over their time, i.e. samples per step / **mean** step time (over all measured steps of all runs of the "
+    "trial: the mean of each run's mean); **95% interval**: percentile bootstrap (2000 resamples) of the mean step "
+    "time, over the steps of one run, or over runs and then steps when the trial ran several times (n steps x r "
+    "runs), mapped to samples/s; *single run, no interval*: the row kept no step times (rows written before "
+    "hfscale kept them), so its figure stands alone and no interval is invented. **step time CV**: standard "
+    "deviation / mean of all step times. **tokens/s**: the same statistic in tokens (padding included). "
+    "**speed-up**: samples/s against the baseline's, with the bootstrap interval of the ratio of mean step times; "
+    "**≈** marks a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold; without step "
+    "times only this second test can be made, and any larger difference is untested). A trial is flagged **may "
+    "be unstable** (in notes) when the machine was busy during it (other processes on the cores or the GPU, stolen "
+    "CPU time, clock throttling), its step-time CV exceeds 10%, or its runs disagree by more than 10%; it is not "
+    "recommended on speed. "
+    "**samples/s (Trainer)**: the Trainer's own `train_samples_per_second`, warm-up included. "
+    "**wall time**: the whole process group, launch to exit (start-up, model build and engine set-up included); "
+    "**train time**: the Trainer's `train_runtime`. "
+    "**peak memory**: the training peak, max over ranks (GPU: allocated by the caching allocator; CPU: resident "
+    "set high-water mark). **TFLOP/s per device**: model FLOPs (6N + attention, recomputation not counted) x tokens/s "
+    "/ processes; **MFU** is that over the peak dense rate of one device for the dtype the matrix multiplications "
+    'ran in, shown beside it ("48.6 of 66.9 (fp32)": 48.6 % of 66.9 TFLOP/s); an fp32 run is measured against the '
+    "fp32 peak, which is 15x lower than the bf16 peak on an H100. "
+    "**speed-up** and **memory saved** compare steady samples/s and peak memory with the baseline trial. "
+    "A trial run several times (repeats) shows the statistics above over all its runs that finished ok (**runs** "
+    "counts them all, **spread** is (max − min) / median of their samples/s), the median of their times, the "
+    "largest peak with the **peak range over runs**, and is ok only when every run was. **energy**: what the "
+    "trial's GPUs drew over one run (NVML's counter, start-up included), mean over runs, and per sample trained. "
+    "**cost per M tokens**: --price-per-hour x processes (one device each) x the time a million tokens take at the "
+    "steady tokens/s."
+)
+
+
+def _estimate_parity_definitions() -> str:
+    from hfscale.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_NOISE_K, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
+
+    return (
+        "**predicted peak**: hfscale's estimate of the training peak per device, made before the trial ran "
+        "(`hfscale estimate`: weights + gradients + optimizer states + activations + overhead; the CUDA context is "
+        "not in it); **prediction error** = (predicted − measured) / measured peak, in percent: positive when the "
+        "estimate was too high. On CPU the measured peak is the process's resident set, which holds the "
+        "interpreter and its libraries (see the weights in the Memory table), so the estimate reads low there. "
+        f"**loss parity**: each trial's loss curve against the baseline's, per optimizer step, smoothed over "
+        f"{DEFAULT_WINDOW} steps; FLAGGED when it is not finite, its smoothed curve departs by more than "
+        f"max({DEFAULT_REL_TOLERANCE:.0%} of the baseline's loss + {DEFAULT_ABS_TOLERANCE:g}, "
+        f"{DEFAULT_NOISE_K:g}x the baseline's own step noise) at any step, or its mean loss departs by more than "
+        f"{DEFAULT_REL_TOLERANCE:.0%} + {DEFAULT_ABS_TOLERANCE:g} (training probably broke: a learning rate far too "
+        "high, gradients never synchronised, ...); a loss logged at a known multiple (the gradient accumulation or "
+        "process-count ratio to the baseline) is divided by it first. A flagged trial is "
+        "never recommended; *max* is the largest deviation seen. Trials with another global batch are not "
+        "compared (their steps are not the same steps)."
+    )
+
+
+BREAKDOWN_NOTE = (
+    "Memory breakdown, from the memory held at the end of each phase of the first step (max over ranks): "
+    "weights = after model load; activations = end of forward − model load; gradients = end of backward − model "
+    "load; optimizer = end of optimizer step − end of backward (the states appear at the first step, the "
+    "gradients are still held); other = peak − the four, at least 0 (temporaries, workspace, fragmentation). "
+    "Negative differences show as 0. The four need not be held at once, so their sum can exceed the peak "
+    "(black marker); the open diamond is the estimate where one was made. Under DeepSpeed, engine.step() runs "
+    'inside backward, so the optimizer states created at the first step are in gradients ("in gradients"; '
+    "hatched in the plot) and weights is what the engine held after initialisation. Under fp16, when the loss "
+    "scaler skipped the first optimizer step (it allocated nothing, yet the optimizer holds states at the end), "
+    'the states are in other ("in other (1st step skipped)"). On CPU the figures are process RSS, so the weights '
+    "include the interpreter and its libraries."
+)
+
+BATCH_NOTE = (
+    "Each probe trains the trial's warm-up steps plus a few more at one per-device batch size, in a fresh process "
+    "group with the trial's memory limit (configs and logs in trials/NAME/probes/bsN/). From the first size (the "
+    "estimate's largest that fits the budget, else the trial's own) it doubles until out of memory, halves "
+    "until one fits, then bisects. Out of memory bounds the search; any other failure stops it. The samples/s are "
+    "the probe's steady-state figure over its few steps; + marks a search that reached its upper limit."
+)
+
+
+def _counts(statuses: Iterable[str]) -> str:
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or "none"
+
+
+def _batch_record(name: str, record: BatchSearchRecord) -> dict[str, Any]:
+    if not record.searched or record.result is None:
+        return {"trial": name, "notes": f"not searched: {record.reason or '?'}"}
+    result = record.result
+    notes = []
+    if record.same_as:
+        notes.append(f"the search of {record.same_as}, which differs only in its batch size")
+    if record.start_from:
+        notes.append(f"started from {record.start_from}")
+    if record.trial_run_batch_size:
+        notes.append(f"batch {record.trial_run_batch_size} is the trial's own run")
+    if result.reached_upper_limit:
+        notes.append(f"the upper limit ({record.upper_limit or '?'}) fitted: the real limit may be higher")
+    if result.stopped_reason:
+        notes.append(f"stopped: {short(result.stopped_reason, 120)}")
+    if record.probe_steps:
+        notes.append(f"probes: warm-up + {record.probe_steps} steps")
+    probes = []
+    for p in result.probes:
+        extras = [f"{p.outcome.samples_per_s:.2f}/s"] if p.outcome.samples_per_s is not None else []
+        extras += [f"{p.outcome.peak_memory_gib:.3f} GiB"] if p.outcome.peak_memory_gib is not None else []
+        probes.append(f"{p.batch_size}: {p.outcome.status}" + (f" ({', '.join(extras)})" if extras else ""))
+    limit = "none fits" if result.max_batch_size is None else f"{result.max_batch_size}"
+    return {
+        "trial": name,
+        "start": result.start,
+        "max_batch": limit + ("+" if result.reached_upper_limit and result.max_batch_size is not None else ""),
+        "samples_per_s": result.samples_per_s,
+        "first_oom": result.first_oom_batch_size,
+        "probes": "; ".join(probes),
+        "notes": "; ".join(notes),
+    }
+
+
+BATCH_COLUMNS = [
+    Column(key="trial", header="trial", align="left"),
+    Column(key="start", header="start"),
+    Column(key="max_batch", header="max batch", cell=lambda r: r.get("max_batch") or "—"),
+    Column(key="samples_per_s", header="samples/s at max batch", unit="samples/s", digits=2),
+    Column(key="first_oom", header="first out of memory"),
+    Column(key="probes", header="probes", align="left", cell=lambda r: r.get("probes") or ""),
+    Column(key="notes", header="notes", align="left", cell=lambda r: r.get("notes") or ""),
+]
+
+
+def environment_sections(environment: Mapping[str, Any]) -> tuple[Section, Section | None]:
+    """The short environment section, and the full record at the end (None when the short one is the record)."""
+    header = env_header(environment)
+    items = header or env_items(environment)
+    if not items:
+        return Section(title="Environment", paragraphs=(plain(NO_ENVIRONMENT),)), None
+    short_section = Section(
+        title="Environment",
+        table=Table.text(["", ""], items, css="env"),
+        notes=(plain("The full record is at the end of this report and in environment.json."),) if header else (),
+    )
+    if not header:
+        return short_section, None
+    full = Section(
+        title="Environment (full record)",
+        table=Table.text(["", "value"], env_items(environment), css="env"),
+        collapsed="environment.json",
+    )
+    return short_section, full
+
+
+def noise_sentence(frame: pd.DataFrame, price_per_hour: float | None = None) -> str:
+    """What the speed figures' uncertainty rests on, in one or two sentences."""
+    ok = frame[frame["status"] == "ok"] if len(frame) else frame
+    with_steps = int(ok["steps_n"].fillna(0).gt(0).sum()) if len(ok) else 0
+    if not len(ok):
+        text = "No trial finished ok: no speed figure to qualify."
+    elif with_steps == 0:
+        text = (
+            "No trial of this run kept its step times (rows written before hfscale recorded them), so no speed "
+            "figure has an interval: each is a single run. Differences within 2% are shown as ties (≈); any "
+            "larger ranking between trials is untested against the noise."
+        )
+    elif with_steps < len(ok):
+        text = (
+            f"{with_steps} of {len(ok)} ok trials kept their step times and carry 95% bootstrap intervals; the "
+            "others are single figures (single run, no interval)."
+        )
+    else:
+        text = "Every speed figure carries a 95% bootstrap interval over its measured steps (and runs)."
+    unstable = list(ok.index[ok["unstable"].fillna(False).astype(bool)]) if len(ok) else []
+    if unstable:
+        text += f" May be unstable (not recommended on speed; reasons in the notes): {', '.join(unstable)}."
+    if price_per_hour is not None:
+        text += f" Costs assume {price_per_hour:g} per device-hour (--price-per-hour)."
+    return text
+
+
+def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
+    """The report of one run: recommendation, environment, trials, plots, memory, batch search, failures."""
+    frame = summary.trials
+    rows = records(frame, budget_known=summary.recommendation.budget_bytes is not None)
+    env, full_env = environment_sections(summary.environment)
+    columns = trial_columns(
+        repeats=bool(len(frame)) and bool((frame["runs"] > 1).any()),
+        batch_search=bool(summary.batch_searches),
+        step_times=bool(frame["step_time_cv_pct"].notna().any()) if len(frame) else False,
+        energy=bool(frame["energy_j"].notna().any()) if len(frame) else False,
+        cost=summary.price_per_hour is not None,
+    )
+    budget = budget_rows(frame, summary.step_groups) if len(frame) else []
+    sections = [
+        Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
+        env,
+        Section(
+            title="Trials",
+            table=Table.of(columns, rows, row_class=row_class, css="trials"),
+            notes=(rich(DEFINITIONS), rich(_estimate_parity_definitions())),
+        ),
+        *(
+            [
+                Section(
+                    title="Fastest trial for each memory budget",
+                    table=Table.of(BUDGET_COLUMNS, budget),
+                    notes=(plain(BUDGET_NOTE),),
+                )
+            ]
+            if budget
+            else []
+        ),
+        *(Section(title=f.title, figure=f) for f in figures),
+        Section(
+            title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
+        ),
+    ]
+    if summary.batch_searches:
+        batch = [_batch_record(name, record) for name, record in summary.batch_searches.items()]
+        sections.append(
+            Section(title="Largest batch that fits", table=Table.of(BATCH_COLUMNS, batch), notes=(plain(BATCH_NOTE),))
+        )
+    failures = [r for r in rows if r["status"] != "ok"]
+    if failures:
+        sections.append(Section(title="Trials that did not finish ok"))
+        for r in failures:
+            tail = r.get("stderr_tail")
+            sections.append(
+                Section(
+                    title=f"{r['trial']}: {r['status']}",
+                    level=3,
+                    paragraphs=(plain(r["description"]), plain(f"Reason: {r.get('reason') or 'not recorded'}")),
+                    code=tail.rstrip()[-3000:] if tail else None,
+                )
+            )
+    if full_env is not None:
+        sections.append(full_env)
+    counts = _counts(frame["status"]) if len(frame) else "none"
+    intro = [plain(f"{len(frame)} trials: {counts}. {summary.baseline_note}")]
+    if summary.coverage is not None:
+        intro.append(plain(summary.coverage.sentence()))
+    intro.append(plain(noise_sentence(frame, summary.price_per_hour)))
+    return Report(
+        title=f"hfscale report: {summary.run_dir.resolve().name}",
+        intro=tuple(intro),
+        sections=tuple(sections),
+        figures=tuple(figures),
+    )
+
+
+__all__ = ["Figure", "Report", "Section", "Table", "build_report", "environment_sections", "fmt", "records"]

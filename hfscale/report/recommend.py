@@ -1,0 +1,301 @@
+"""The Pareto front of (samples/s, peak memory) and the recommendation: the fastest trial within the memory budget,
+and the one that needs the least memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hfscale.report.machine import GIB, format_bytes
+from hfscale.report.noise import Groups, memory_tie, speed_tie
+from hfscale.report.text import Text, rich
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
+    """Names of the points no other point dominates, fastest first; a point is ``(samples_per_s, memory_gib)``.
+
+    A point dominates another when it is at least as fast and at most as large, and strictly better in one of the
+    two. Identical points are all on the front.
+    """
+    front = []
+    for name, (speed, mem) in points.items():
+        dominated = any(
+            other != name and s >= speed and m <= mem and (s > speed or m < mem) for other, (s, m) in points.items()
+        )
+        if not dominated:
+            front.append(name)
+    return sorted(front, key=lambda n: (-points[n][0], points[n][1], n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recommendation:
+    """The fastest strategy that fits the memory budget, and the one that needs the least memory."""
+
+    budget_bytes: int | None
+    """The per-device budget; None when none was given and the run's GPU memory is unknown."""
+    budget_source: str
+    """Where the budget came from, in words."""
+    fastest: str | None
+    """Trial name: the highest steady-state samples/s among ok trials that fit (all ok trials without a budget)."""
+    most_frugal: str | None
+    """Trial name: the least memory (``fit_gib``) among ok trials (a tie broken by speed)."""
+    fastest_ties: tuple[str, ...] = ()
+    """Other trials whose speed cannot be told apart from the fastest's (named in ``lines``)."""
+    lines: tuple[Text, ...]
+    """The recommendation in sentences, as the report prints it."""
+
+
+def _f(value: float | None, digits: int) -> str:
+    return "—" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def outside_allocator_gib(rows: pd.DataFrame) -> float | None:
+    """Largest measured memory outside torch's allocator (NVML process use less reserved peak); None if unmeasured.
+
+    A negative gap means the NVML samples missed the peak: not a measurement, left out."""
+    gaps = (rows["nvml_process_used_gib"] - rows["peak_reserved_gib"]).dropna()
+    gaps = gaps[gaps >= 0]
+    return float(gaps.max()) if len(gaps) else None
+
+
+def _names(names: list[str]) -> tuple[str, dict[str, str]]:
+    """``**{n0}**, **{n1}** and **{n2}**`` and its values, for :func:`rich`."""
+    marks = [f"**{{n{k}}}**" for k in range(len(names))]
+    text = marks[0] if len(marks) == 1 else ", ".join(marks[:-1]) + " and " + marks[-1]
+    return text, {f"n{k}": name for k, name in enumerate(names)}
+
+
+def _speed_text(row: pd.Series) -> str:
+    low, high = row.get("samples_per_s_low"), row.get("samples_per_s_high")
+    if low is None or low != low:
+        return f"{_f(row['samples_per_s'], 2)} samples/s (single run, no interval)"
+    return f"{_f(row['samples_per_s'], 2)} samples/s (95% interval {_f(low, 2)}–{_f(high, 2)})"
+
+
+def _fit_text(row: pd.Series) -> str:
+    source = row.get("fit_source")
+    return f"{_f(row['fit_gib'], 3)} GiB" + (f" ({source})" if isinstance(source, str) else "")
+
+
+def _fastest_lines(
+    pool: pd.DataFrame, groups: Mapping[str, Groups], head: str
+) -> tuple[pd.Series, list[Text], tuple[str, ...]]:
+    """The fastest of ``pool`` (sorted fastest first, not empty), its ties named and broken by memory."""
+    leader = pool.iloc[0]
+    tested = True
+    tied = [leader]
+    for _, other in pool.iloc[1:].iterrows():
+        tie, with_interval = speed_tie(leader, other, groups)
+        if tie:
+            tied.append(other)
+            tested = tested and with_interval
+    vs = leader.get("speedup_vs_baseline")
+    tail = "" if vs is None or vs != vs else f", {_f(vs, 2)}x the baseline"
+    if len(tied) == 1:
+        lines = [
+            rich(
+                head + " **{name}** ({desc}): {speed}, needs {fit}{tail}.",
+                name=leader["trial"],
+                desc=leader["description"],
+                speed=_speed_text(leader),
+                fit=_fit_text(leader),
+                tail=tail,
+            )
+        ]
+        if len(pool) > 1:
+            runner = pool.iloc[1]
+            _, with_interval = speed_tie(leader, runner, groups)
+            if not with_interval:
+                lead = 100 * (leader["samples_per_s"] / runner["samples_per_s"] - 1)
+                lines.append(
+                    rich(
+                        "Its lead over {other} ({lead:.1f}%) is not tested against the noise: single runs without "
+                        "step times have no interval (run with repeats on a version of hfscale that keeps step "
+                        "times).",
+                        other=runner["trial"],
+                        lead=lead,
+                    )
+                )
+        return leader, lines, ()
+    names = [str(r["trial"]) for r in tied]
+    marks, values = _names(names)
+    speeds = ", ".join(f"{r['trial']} {_f(r['samples_per_s'], 2)}" for r in tied)
+    why = (
+        "the 95% interval of each speed ratio holds 1 or stays within 2% of it"
+        if tested
+        else "they are within the 2% noise threshold of each other, and single runs without step times have no "
+        "interval that could rank them"
+    )
+    by_memory = sorted(tied, key=lambda r: r["fit_gib"])
+    best = by_memory[0]
+    same_memory = all(memory_tie(best, r) for r in by_memory[1:])
+    line = [rich(head + " " + marks + " tie on speed (samples/s: {speeds}; {why}).", **values, speeds=speeds, why=why)]
+    if same_memory:
+        line.append(
+            rich(
+                "They need the same memory too ({fits}), so either will do: no measurement here ranks them; "
+                "**{name}** is marked only because its point estimate is higher.",
+                fits=", ".join(_fit_text(r) for r in tied),
+                name=leader["trial"],
+            )
+        )
+        return leader, line, tuple(n for n in names if n != leader["trial"])
+    line.append(
+        rich(
+            "The tie is broken by memory, the other axis: **{name}** ({desc}) needs {fit} against {others}{tail}.",
+            name=best["trial"],
+            desc=best["description"],
+            fit=_fit_text(best),
+            others=", ".join(f"{_f(r['fit_gib'], 3)} GiB ({r['trial']})" for r in by_memory[1:]),
+            tail=tail if best["trial"] == leader["trial"] else "",
+        )
+    )
+    return best, line, tuple(n for n in names if n != best["trial"])
+
+
+def _frugal_lines(candidates: pd.DataFrame, groups: Mapping[str, Groups]) -> tuple[pd.Series, list[Text]]:
+    by_memory = candidates.sort_values(["fit_gib", "samples_per_s"], ascending=[True, False], kind="stable")
+    leader = by_memory.iloc[0]
+    tied = [leader] + [r for _, r in by_memory.iloc[1:].iterrows() if memory_tie(leader, r)]
+    saved = leader.get("memory_saved_pct")
+    vs = f", {_f(saved, 1)} % less than the baseline" if saved is not None and saved == saved and saved > 0 else ""
+    if len(tied) == 1:
+        return leader, [
+            rich(
+                "Least memory: **{name}** ({desc}): needs {fit}, peak {peak} GiB, {speed}{vs}.",
+                name=leader["trial"],
+                desc=leader["description"],
+                fit=_fit_text(leader),
+                peak=_f(leader["peak_gib"], 3),
+                speed=_speed_text(leader),
+                vs=vs,
+            )
+        ]
+    marks, values = _names([str(r["trial"]) for r in tied])
+    fits = ", ".join(f"{r['trial']} {_f(r['fit_gib'], 3)} GiB" for r in tied)
+    by_speed = sorted(tied, key=lambda r: -r["samples_per_s"])
+    best = by_speed[0]
+    same_speed = all(speed_tie(best, r, groups)[0] for r in by_speed[1:])
+    lines = [rich("Least memory: " + marks + " tie (within 2%: {fits}).", **values, fits=fits)]
+    if same_speed:
+        lines.append(
+            rich(
+                "Their speeds tie too, so either will do; **{name}** is marked only for its lower point figure.",
+                name=leader["trial"],
+            )
+        )
+        return leader, lines
+    lines.append(
+        rich(
+            "The tie is broken by speed, the other axis: **{name}** ({desc}) is faster: {speed}.",
+            name=best["trial"],
+            desc=best["description"],
+            speed=_speed_text(best),
+        )
+    )
+    return best, lines
+
+
+def recommend(
+    frame: pd.DataFrame, budget: int | None, source: str, groups: Mapping[str, Groups] | None = None
+) -> Recommendation:
+    """Only ok trials with throughput and memory measured, and a loss the parity check did not flag, qualify; a
+    budget is checked against ``fit_gib`` (what the device had to hold: NVML process memory, else the allocator's
+    reserved peak, else the peak). Trials flagged "may be unstable" are not recommended on speed. Ties (see
+    :mod:`hfscale.report.noise`) are named as ties and broken by the other axis."""
+    groups = groups or {}
+    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
+    flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
+    flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
+    unstable_mask = candidates["unstable"].fillna(False).astype(bool) if "unstable" in candidates else None
+    unstable = candidates[unstable_mask] if unstable_mask is not None else candidates.iloc[0:0]
+    steady = candidates[~unstable_mask] if unstable_mask is not None else candidates
+    lines: list[Text] = []
+    if candidates.empty:
+        lines.append(
+            rich("No trial finished ok with both throughput and memory measured, so nothing can be recommended.")
+        )
+        return Recommendation(
+            budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None, lines=tuple(lines)
+        )
+
+    by_speed = steady.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
+    fastest, ties = None, ()
+    if by_speed.empty:
+        where = (
+            f"within {format_bytes(budget)} per device ({source})"
+            if budget is not None
+            else "(no memory budget: none was given with --memory-budget and environment.json records no GPU memory)"
+        )
+        lines.append(
+            rich("No trial can be recommended on speed " + where + ": every qualifying trial may be unstable (below).")
+        )
+    elif budget is None:
+        fastest, said, ties = _fastest_lines(
+            by_speed,
+            groups,
+            "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
+            "fastest trial overall is",
+        )
+        lines += said
+    else:
+        fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
+        where = f"within {format_bytes(budget)} per device ({source})"
+        if not fitting.empty:
+            fastest, said, ties = _fastest_lines(fitting, groups, f"Fastest {where}:")
+            lines += said
+        else:
+            smallest = candidates.sort_values("fit_gib").iloc[0]
+            lines.append(
+                rich(
+                    "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",
+                    name=smallest["trial"],
+                    fit=_fit_text(smallest),
+                )
+            )
+    frugal, said = _frugal_lines(candidates, groups)
+    lines += said
+    if candidates["peak_reserved_gib"].notna().any():
+        outside = outside_allocator_gib(candidates)
+        context = (
+            f"NVML saw up to {outside:.3f} GiB per process outside it in these trials (NVML process use less "
+            "reserved peak: the CUDA context and libraries)"
+            if outside is not None
+            else "it was not measured here (no NVML reading), so measure it on your device"
+        )
+        lines.append(
+            rich(
+                "Only trials with status ok qualify. A budget is checked against what the device had to hold: "
+                "NVML's process memory where it was read, else the allocator's reserved peak, max over ranks; the "
+                "CUDA context is in no allocator figure: {context}.",
+                context=context,
+            )
+        )
+    else:
+        lines.append(
+            rich(
+                "Only trials with status ok qualify. Memory here is each process's resident set high-water mark "
+                "(CPU training), max over ranks."
+            )
+        )
+    if not unstable.empty:
+        names = "; ".join(f"{r['trial']} ({r['unstable_reason']})" for _, r in unstable.iterrows())
+        lines.append(rich("Not recommended on speed because they may be unstable: {names}.", names=names))
+    if not flagged.empty:
+        names = ", ".join(f"{r['trial']} ({r['parity_reason'] or 'flagged'})" for _, r in flagged.iterrows())
+        lines.append(rich("Left out because their loss was flagged by the parity check: {names}.", names=names))
+    return Recommendation(
+        budget_bytes=budget,
+        budget_source=source,
+        fastest=None if fastest is None else str(fastest["trial"]),
+        most_frugal=str(frugal["trial"]),
+        lines=tuple(lines),
+        fastest_ties=ties,
+    )
+
+
+__all__ = ["Recommendation", "outside_allocator_gib", "pareto_front", "recommend"]

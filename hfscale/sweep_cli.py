@@ -1,0 +1,183 @@
+"""``hfscale sweep`` / ``python -m hfscale.sweep`` / ``accelerate launch -m hfscale.sweep``: the command line.
+
+Every option is declared once, on :class:`~hfscale.plan.SweepSettings`' fields (flag, help, bounds); the parser is
+derived from them, and a bound a value breaks is reported as ``hfscale sweep: error: --flag ...`` with exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import typing
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hfscale.launch import LaunchInfo
+from hfscale.plan import (
+    SettingError,
+    SweepError,
+    SweepSettings,
+    dry_run_lines,
+)
+from hfscale.recipe import RecipeError, load_recipe
+from hfscale.run_folder import RECIPE_FILE, RunFolderError
+from hfscale.sweep import (
+    DEFAULT_OUT_DIR,
+    INTERRUPTED_EXIT,
+    STOPPED_EXIT,
+    SweepInterrupted,
+    SweepStopped,
+    run_sweep,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``hfscale sweep``'s parser; the options of :class:`SweepSettings` come from its fields' metadata."""
+    parser = argparse.ArgumentParser(
+        prog="hfscale sweep",
+        description="Train a recipe's trials, each in a fresh process group, and record one result row per trial.",
+        epilog="Also: python -m hfscale.sweep RECIPE, or accelerate launch [--num_processes N] -m hfscale.sweep RECIPE "
+        "(trials that do not pin num_processes then use the launch's count). Exit status: 0 every trial has a row "
+        "(failed trials included), 1 the rows are kept but the report (or a batch search) failed, 2 bad input, "
+        "3 stopped: the run folder could not be written (disk full, read-only) or a device stayed in use by another "
+        "sweep (the rows are kept; continue with --resume), 130 interrupted (continue with --resume).",
+    )
+    parser.add_argument("recipe", nargs="?", help="recipe YAML, or a shipped recipe's name (optional with --resume)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", type=Path, default=Path(DEFAULT_OUT_DIR), help="parent of the new run folder")
+    where.add_argument("--run-dir", type=Path, help="the new run folder itself (must not exist)")
+    where.add_argument("--resume", type=Path, metavar="RUN_DIR", help="run what is missing in this run folder")
+    parser.add_argument("--dry-run", action="store_true", help="print the trials and their launch commands only")
+    groups: dict[str | None, Any] = {
+        None: parser,
+        "memory": parser.add_argument_group("memory estimate and batch search"),
+    }
+    hints = typing.get_type_hints(SweepSettings)
+    for f in dataclasses.fields(SweepSettings):
+        meta, kind = f.metadata, hints[f.name]
+        options: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        if kind is bool:
+            options |= {"action": "store_true"}
+        elif f.name == "only":
+            options |= {"action": "append", "default": [], "metavar": meta["metavar"]}
+        else:
+            scalar = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            options |= {"type": meta["parse"] or scalar, "default": f.default}
+            if meta["metavar"]:
+                options["metavar"] = meta["metavar"]
+        groups[meta["group"]].add_argument(meta["flag"], **options)
+    parser.add_argument("--no-report", action="store_true", help="do not write report.md/report.html at the end")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> SweepSettings:
+    """The :class:`SweepSettings` of parsed arguments.
+
+    Raises:
+        SettingError: for a value out of its bounds (``SweepSettings.__post_init__``).
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepSettings)}
+    return SweepSettings(**{**values, "only": tuple(values["only"])})
+
+
+def _print(line: str) -> None:
+    print(f"{datetime.now().strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """First Ctrl-C/SIGTERM/SIGHUP: stop the sweep. Later ones are ignored, so that ending the running trial's
+    group (bounded: a few seconds' grace, then SIGKILL) is never cut short; a launcher forwards the same signal
+    to this process a second time."""
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    launch = LaunchInfo.from_env()
+    if not launch.is_driver:
+        # The driver on local rank 0 of this machine runs every trial; a second driver would run them twice.
+        logger.info(
+            "rank %d (local rank %d): the driver on local rank 0 runs the sweep; exiting",
+            launch.rank,
+            launch.local_rank,
+        )
+        return 0
+    try:
+        given = settings_from_args(args)
+    except SettingError as exc:
+        flag = SweepSettings.__dataclass_fields__[exc.setting].metadata["flag"]
+        print(f"hfscale sweep: error: {flag} {exc.problem}", file=sys.stderr)
+        return 2
+    # A resumed run keeps its recorded counts; only a new run takes the outer launch's.
+    settings = given if args.resume else launch.default_counts(given)
+    try:
+        if args.dry_run:
+            recipe_path = args.recipe or (args.resume / RECIPE_FILE if args.resume else None)
+            if recipe_path is None:
+                print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
+                return 2
+            for line in dry_run_lines(load_recipe(recipe_path), settings, launch):
+                print(line)
+            return 0
+        # Ctrl-C, a scheduler's SIGTERM and a closed terminal (SIGHUP) all end the running trial's group, then the
+        # sweep; a signal the caller chose to ignore (nohup) stays ignored.
+        previous = {s: signal.signal(s, _interrupt) for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+        outcome = run_sweep(
+            args.recipe,
+            out_dir=args.out_dir,
+            run_dir=args.run_dir,
+            resume=args.resume,
+            settings=settings,
+            launch=launch,
+            report=not args.no_report,
+            progress=_print,
+        )
+        # Not restored on an interrupt: the stop signals stay ignored until this process exits (see _interrupt).
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    except SweepStopped as exc:
+        print(
+            f"hfscale sweep: error: {exc}. Every row written before is kept in {exc.run_dir}; "
+            f"once that is fixed, continue with: hfscale sweep --resume {exc.run_dir}",
+            file=sys.stderr,
+        )
+        return STOPPED_EXIT
+    except (RecipeError, SweepError, RunFolderError, OSError) as exc:
+        print(f"hfscale sweep: error: {exc}", file=sys.stderr)
+        return 2
+    except SweepInterrupted as exc:
+        _print(
+            "interrupted: finished trials are kept, the running one was stopped and left no row; "
+            f"continue with: hfscale sweep --resume {exc.run_dir}"
+        )
+        return INTERRUPTED_EXIT
+    except KeyboardInterrupt:
+        _print("interrupted before any trial started")
+        return INTERRUPTED_EXIT
+    failed = [r for r in outcome.rows if r.status != "ok"]
+    _print(f"done: {outcome.run_dir} ({len(outcome.rows) - len(failed)} ok, {len(failed)} not ok)")
+    for error in outcome.search_errors:
+        _print(f"{error}; the row is kept, run: hfscale sweep --resume {outcome.run_dir}")
+    if outcome.report_error is not None:
+        _print(
+            f"the results are kept but no report was written ({outcome.report_error}); "
+            f"run: hfscale report {outcome.run_dir}"
+        )
+    return 1 if outcome.report_error is not None or outcome.search_errors else 0
+
+
+__all__ = ["build_parser", "main"]

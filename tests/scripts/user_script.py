@@ -1,0 +1,55 @@
+"""A user's own training script, written as the transformers examples are: TrainingArguments first, then the model,
+then the Trainer. It takes the files ``hfscale config --out CFG`` wrote and adds exactly the lines it printed.
+
+Launched by tests/test_user_configs.py with the printed command:
+``accelerate launch --config_file CFG/accelerate.yaml THIS CFG OUT [--fsdp2-on-cpu]``. ``--fsdp2-on-cpu`` runs the
+extra line ``hfscale config`` prints for FSDP on CPU (the test passes it only when the line was printed). Every rank
+writes ``OUT/log_history_rank{R}.json`` (the Trainer's log history, with the ``verify/`` record) after training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+cfg, out = sys.argv[1], sys.argv[2]
+# fmt: off
+if "--fsdp2-on-cpu" in sys.argv[3:]:
+    import hfscale.fsdp_cpu; hfscale.fsdp_cpu.enable_fsdp2_on_cpu()  # noqa: E702, I001 - the printed line, verbatim
+# fmt: on
+
+from transformers import AutoConfig, AutoModelForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
+
+from hfscale.data import make_classification_dataset  # noqa: E402
+
+args = TrainingArguments(
+    output_dir=os.path.join(out, "trainer"),
+    max_steps=3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    dataloader_pin_memory=False,
+    **json.load(open(os.path.join(cfg, "training_args.json"))),  # noqa: SIM115 - as the printed line has it
+)
+config = AutoConfig.for_model(
+    "bert",
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=64,
+    num_labels=2,
+)
+model = AutoModelForSequenceClassification.from_config(config)
+train_dataset = make_classification_dataset(256, 32, token_high=1000)
+trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+# fmt: off
+from hfscale.callbacks import VerificationCallback, attach; attach(trainer, VerificationCallback(cfg))  # noqa: E402, E702, I001
+# fmt: on
+trainer.train()
+
+with open(os.path.join(out, f"log_history_rank{args.process_index}.json"), "w") as fh:
+    json.dump(trainer.state.log_history, fh, indent=2)

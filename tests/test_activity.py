@@ -1,0 +1,91 @@
+"""What else the machine did during a trial: a real CPU hog is seen, the trial's own processes are not."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hfscale.activity import ActivitySampler, GpuActivity, MachineActivity, disturbances
+
+HOG = [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+
+
+def test_a_cpu_hog_outside_the_trial_is_seen_and_named():
+    hog = subprocess.Popen(HOG)
+    try:
+        sampler = ActivitySampler(interval_s=0.25).start()
+        time.sleep(1.6)
+        activity = sampler.stop()
+    finally:
+        hog.kill()
+        hog.wait()
+    assert activity.samples >= 4
+    # One process spinning gets a core on a quiet machine; under other load it still gets a good share.
+    assert activity.other_cores_mean > 0.3, activity
+    assert any(f"({hog.pid})" in p for p in activity.busy_processes), activity.busy_processes
+    reasons = disturbances(activity)
+    assert reasons and reasons[0].startswith("other processes used"), reasons
+
+
+def test_the_trials_own_process_group_is_not_counted():
+    """Two samplers over the same second, one told the trial's group: only that one leaves the trial out (the
+    difference is robust to whatever else the machine runs meanwhile)."""
+    import psutil
+
+    trial = subprocess.Popen(HOG, start_new_session=True)  # a trial is a process group of its own
+    try:
+        aware = ActivitySampler(os.getpgid(trial.pid), interval_s=0.25).start()
+        blind = ActivitySampler(None, interval_s=0.25).start()
+        before = sum(psutil.Process(trial.pid).cpu_times()[:2])
+        time.sleep(1.6)
+        used = sum(psutil.Process(trial.pid).cpu_times()[:2]) - before
+        seen_aware, seen_blind = aware.stop(), blind.stop()
+    finally:
+        os.killpg(trial.pid, signal.SIGKILL)
+        trial.wait()
+    assert not any(f"({trial.pid})" in p for p in seen_aware.busy_processes), seen_aware.busy_processes
+    assert any(f"({trial.pid})" in p for p in seen_blind.busy_processes), seen_blind.busy_processes
+    # The difference between the two is the trial's own CPU time, whatever else the machine runs meanwhile.
+    difference = seen_blind.other_cores_mean - seen_aware.other_cores_mean
+    assert difference == pytest.approx(used / 1.6, abs=0.25), (difference, used)
+
+
+def test_nothing_to_say_without_samples_or_on_a_quiet_machine():
+    assert disturbances(None) == []
+    assert disturbances(MachineActivity(samples=0, duration_s=0.1, cpu_count=2)) == []
+    quiet = MachineActivity(samples=10, duration_s=10, cpu_count=2, other_cores_mean=0.05, steal_fraction=0.0)
+    assert disturbances(quiet) == []
+
+
+def test_gpu_sharing_throttling_and_steal_are_named():
+    busy = MachineActivity(
+        samples=5,
+        duration_s=5,
+        cpu_count=16,
+        steal_fraction=0.12,
+        gpus=[GpuActivity(index=0, other_processes=[4242], throttle_reasons=["sw_thermal_slowdown"])],
+    )
+    reasons = disturbances(busy)
+    assert "the hypervisor stole 12% of the CPU time" in reasons
+    assert "GPU 0 was shared with other processes (pids 4242)" in reasons
+    assert "GPU 0 throttled its clocks (sw_thermal_slowdown)" in reasons
+
+
+@pytest.mark.gpu
+def test_gpu_readings_come_from_nvml():
+    pytest.importorskip("pynvml")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    sampler = ActivitySampler(os.getpgid(0), interval_s=0.2).start()
+    x = torch.randn(4096, 4096, device="cuda")
+    end = time.time() + 1.5
+    while time.time() < end:
+        x = x @ x
+        x = x / x.norm()
+    torch.cuda.synchronize()
+    activity = sampler.stop()
+    assert activity.gpus and activity.gpus[0].sm_clock_mhz_max and activity.gpus[0].temperature_c_max

@@ -1,0 +1,86 @@
+"""The result row: one serializer (round trip), schema-1 rows of hfscale 0.1 migrated with the same numbers, a
+newer schema refused with a message a user can act on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hfscale.results import SCHEMA_VERSION, TrialResult, migrate_row, row_from_json, row_to_json
+from hfscale.run_folder import RunFolder
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = ["cpu_small-cpu2", "bert_large-h100"]
+
+
+def _raw(run: str) -> list[dict]:
+    return [json.loads(line) for line in (REPO / "results" / run / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("run", COMMITTED)
+def test_schema_1_rows_migrate_with_the_same_numbers(run):
+    raw = _raw(run)
+    assert all(r.get("schema_version", 1) == 1 for r in raw)  # the committed rows are hfscale 0.1's
+    rows = [row_from_json(r) for r in raw]
+    for old, row in zip(raw, rows, strict=True):
+        extra = old.get("extra", {})
+        assert row.schema_version == SCHEMA_VERSION
+        assert (row.trial, row.status, row.reason, row.exit_code) == (
+            old["trial"], old["status"], old.get("reason"), old.get("exit_code")
+        )  # fmt: skip
+        assert (row.repeat, row.repeats) == (extra.get("repeat", 0), extra.get("repeats", 1))
+        assert row.strategy.to_dict() | old["strategy"] == row.strategy.to_dict()  # every stored field kept
+        if old.get("memory"):
+            assert row.peak_gib == old["memory"]["peak_gib"]
+            assert row.samples_per_s == old["throughput"]["samples_per_s"]
+            assert row.loss_curve == old["loss_curve"]
+            assert row.measured.world_size == extra.get("world_size", 1)
+            assert row.measured.timings_s == extra.get("timings_s", {})
+        else:
+            assert row.measured is None
+        if old.get("estimate"):
+            assert math.isclose(row.predicted_gib, old["estimate"]["total_gib"])
+        if "command" in extra:
+            assert row.launch.command == extra["command"] and row.launch.timeout_s == extra["timeout_s"]
+        if isinstance(extra.get("batch_search"), dict) and extra["batch_search"].get("searched"):
+            found = row.batch_search.result
+            assert found.max_batch_size == extra["batch_search"]["max_batch_size"]
+            assert [p.batch_size for p in found.probes] == [p["batch_size"] for p in extra["batch_search"]["probes"]]
+
+
+@pytest.mark.parametrize("run", COMMITTED)
+def test_round_trip_through_the_one_serializer(run):
+    for row in RunFolder(REPO / "results" / run).rows(on_bad_line="raise"):
+        data = row_to_json(row)
+        assert data["schema_version"] == SCHEMA_VERSION and "extra" not in data
+        again = row_from_json(json.loads(json.dumps(data)))
+        assert again == row
+        assert migrate_row(data) is data  # current rows are not migrated
+
+
+def test_the_shared_sweeps_rows_round_trip(tiny_sweep_run):
+    rows = RunFolder(tiny_sweep_run).rows(on_bad_line="raise")
+    assert rows
+    for row in rows:
+        assert row_from_json(json.loads(json.dumps(row_to_json(row)))) == row
+
+
+def test_a_newer_schema_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match=rf"schema_version 3: this hfscale reads rows of schema 1 to {SCHEMA_VERSION}"):
+        row_from_json({"schema_version": 3, "trial": "x"})
+
+
+def test_an_invalid_row_names_the_field():
+    data = row_to_json(TrialResult(trial="x", strategy=_strategy(), status="ok"))
+    data["status"] = "exploded"
+    with pytest.raises(ValueError, match=r"not a valid TrialResult: status: "):
+        row_from_json(data)
+
+
+def _strategy():
+    from hfscale.strategy import Strategy
+
+    return Strategy(name="x", device="cpu")
