@@ -23,7 +23,10 @@ def test_hfscale_version_and_commit_of_this_checkout():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
     assert install["commit"] == head.stdout.strip()
     assert isinstance(install["dirty"], bool)
-    assert Path(install["source"]) == REPO / "hfscale"
+    import hfscale
+
+    # Where the imported package lives: the checkout (editable install) or site-packages (tox installs a wheel).
+    assert Path(install["source"]) == Path(hfscale.__file__).parent
 
 
 def test_hfscale_version_when_not_installed_and_not_a_checkout(monkeypatch):

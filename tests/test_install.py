@@ -67,7 +67,18 @@ def _make_venv(tmp: Path, wheel: Path) -> Path:
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     ours |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
     (purelib / "hfscale-test-env.pth").write_text("".join(f"{p}\n" for p in sorted(ours) if Path(p).is_dir()))
-    command = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--ignore-installed",
+        str(wheel),
+    ]
     _run(command, cwd=tmp, env=dict(os.environ))
     return venv
 

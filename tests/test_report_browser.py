@@ -92,10 +92,10 @@ def test_report_screenshot_is_not_blank(html_report: report.ReportPaths, tmp_pat
     np = pytest.importorskip("numpy")
     shot = tmp_path / "report.png"
     _run_chromium(
-        tmp_path, "--hide-scrollbars", "--window-size=1400,3200", f"--screenshot={shot}", html_report.html.as_uri()
+        tmp_path, "--hide-scrollbars", "--window-size=1400,9000", f"--screenshot={shot}", html_report.html.as_uri()
     )
     with image_mod.open(shot) as img:
-        assert img.size == (1400, 3200)
+        assert img.size == (1400, 9000)
         rgb = np.asarray(img.convert("RGB"), dtype=np.int16)
     gray = rgb.mean(axis=2)
     stddev = float(gray.std())
