@@ -47,8 +47,10 @@ def table(run_dir: Path, steps: list[int]) -> list[str]:
     of each trial against the baseline with all of it."""
     rows = [r for r in RunFolder(run_dir).rows() if r.status == "ok" and r.throughput and r.throughput.step_times_s]
     by_trial: dict[str, list[list[float]]] = {}
+    per_step: dict[str, int] = {}
     for row in sorted(rows, key=lambda r: r.repeat):
         by_trial.setdefault(row.trial, []).append(row.throughput.step_times_s)
+        per_step[row.trial] = row.throughput.samples_per_step or 1
     lines = ["trial            runs  " + "  ".join(f"{k:>3} steps" for k in steps)]
     for trial, runs in by_trial.items():
         for r in range(1, len(runs) + 1):
@@ -67,17 +69,18 @@ def table(run_dir: Path, steps: list[int]) -> list[str]:
         for trial, runs in by_trial.items():
             if trial == baseline:
                 continue
-            # samples/s ratio = baseline step time / trial step time
-            ratio = ratio_interval(by_trial[baseline], runs)
+            # samples/s ratio = (trial samples per step / trial step time) / (baseline's)
+            scale = per_step[trial] / per_step[baseline]
+            ratio = ratio_interval(by_trial[baseline], runs).map(lambda x, scale=scale: x * scale)
             lines.append(
                 f"  {trial:16s} {ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]  {verdict(ratio)}"
-                + (f"  (first run only: {_first_run(by_trial[baseline], runs)})" if len(runs) > 1 else "")
+                + (f"  (first run only: {_first_run(by_trial[baseline], runs, scale)})" if len(runs) > 1 else "")
             )
     return lines
 
 
-def _first_run(base: list[list[float]], runs: list[list[float]]) -> str:
-    ratio = ratio_interval(base[0], runs[0])
+def _first_run(base: list[list[float]], runs: list[list[float]], scale: float) -> str:
+    ratio = ratio_interval(base[0], runs[0]).map(lambda x: x * scale)
     return f"{ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] {verdict(ratio)}"
 
 

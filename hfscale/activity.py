@@ -102,6 +102,7 @@ class ActivitySampler:
         self.trial_pgid = trial_pgid
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._trial_pids: set[int] = set()
         self._thread: threading.Thread | None = None
         self._cpu_seen: dict[int, tuple[float, str]] = {}
         self._other_cores: list[float] = []
@@ -160,14 +161,25 @@ class ActivitySampler:
         self._read_gpus()
 
     def _ours(self, pid: int) -> bool:
+        """This process, or one of the trial's: in its process group, or a descendant of its launcher (torchrun
+        starts its workers in sessions of their own)."""
         if pid == os.getpid():
             return True
         if self.trial_pgid is None:
             return False
+        if pid in self._trial_pids:
+            return True
         try:
-            return os.getpgid(pid) == self.trial_pgid
-        except OSError:
+            if os.getpgid(pid) == self.trial_pgid:
+                return True
+            import psutil
+
+            if any(parent.pid == self.trial_pgid for parent in psutil.Process(pid).parents()):
+                self._trial_pids.add(pid)
+                return True
+        except Exception:  # gone meanwhile, or psutil missing: not the trial's
             return False
+        return False
 
     def _read_processes(self, *, first: bool = False) -> float:
         """CPU seconds used by other processes since the last call (their new processes counted from birth)."""

@@ -53,6 +53,30 @@ def test_the_trials_own_process_group_is_not_counted():
     assert difference == pytest.approx(used / 1.6, abs=0.25), (difference, used)
 
 
+def test_a_worker_the_trial_starts_in_a_session_of_its_own_is_the_trials():
+    """torchrun starts each worker in a new session: a descendant of the trial's launcher is the trial's all the
+    same (else every multi-process trial would read as a busy machine)."""
+    import psutil
+
+    spawn_worker = f"import subprocess, time\nsubprocess.Popen({HOG!r}, start_new_session=True)\ntime.sleep(30)\n"
+    launcher = subprocess.Popen([sys.executable, "-c", spawn_worker], start_new_session=True)
+    try:
+        deadline = time.time() + 10
+        while not psutil.Process(launcher.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        (worker,) = psutil.Process(launcher.pid).children()
+        assert os.getpgid(worker.pid) != launcher.pid  # a session, and a group, of its own
+        sampler = ActivitySampler(os.getpgid(launcher.pid), interval_s=0.25).start()
+        time.sleep(1.2)
+        activity = sampler.stop()
+    finally:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            child.kill()
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    assert not any(f"({worker.pid})" in p for p in activity.busy_processes), activity.busy_processes
+
+
 def test_nothing_to_say_without_samples_or_on_a_quiet_machine():
     assert disturbances(None) == []
     assert disturbances(MachineActivity(samples=0, duration_s=0.1, cpu_count=2)) == []

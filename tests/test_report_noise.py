@@ -111,9 +111,14 @@ def test_a_row_disturbed_by_a_cpu_hog_is_flagged_and_not_recommended_on_speed() 
     hogged = summary.trials.loc["hogged"]
     assert hogged["unstable"] and "other processes used 0.95 of 2 cores" in hogged["unstable_reason"]
     assert "stress (4242)" in hogged["unstable_reason"]
-    assert summary.recommendation.fastest == "ok"
+    # The fastest figure is the disturbed one: no speed claim at all, rather than the slower steady trial.
+    assert summary.recommendation.fastest is None
     text = " ".join(as_plain(line) for line in summary.recommendation.lines)
+    assert "No trial is recommended on speed" in text and "the fastest by its figure, hogged, may be unstable" in text
     assert "Not recommended on speed because they may be unstable: hogged" in text
+    # A disturbed trial that is slower than a steady one does not stand in the way of the steady one.
+    rows[1] = _trial("hogged", 0.12, seed=2, activity=CPU_HOG)
+    assert report.summarize(rows).recommendation.fastest == "ok"
 
 
 def test_scattered_step_times_are_flagged_unstable() -> None:

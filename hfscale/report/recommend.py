@@ -225,7 +225,28 @@ def recommend(
 
     by_speed = steady.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
     fastest, ties = None, ()
-    if by_speed.empty:
+    # A steady trial is recommended on speed only if no trial that may be unstable (and fits) measured faster: a
+    # slower steady trial is not "the fastest", and the faster figure cannot be trusted.
+    contenders = candidates if budget is None else candidates[candidates["fit_gib"] * GIB <= budget]
+    top = contenders.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable").head(1)
+    if not top.empty and unstable_mask is not None and bool(top["unstable"].fillna(False).iloc[0]):
+        where = (
+            f"within {format_bytes(budget)} per device ({source})"
+            if budget is not None
+            else "(no memory budget: none was given with --memory-budget and environment.json records no GPU memory)"
+        )
+        lines.append(
+            rich(
+                "No trial is recommended on speed " + where + ": the fastest by its figure, **{name}**, may be "
+                "unstable (below), and no steady trial measured faster.",
+                name=top["trial"].iloc[0],
+            )
+        )
+        by_speed = by_speed.iloc[0:0]
+    speed_said = bool(lines)
+    if speed_said:
+        pass  # said above: no speed claim
+    elif by_speed.empty:
         where = (
             f"within {format_bytes(budget)} per device ({source})"
             if budget is not None
