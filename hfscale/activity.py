@@ -27,7 +27,9 @@ BUSY_CORES = 0.25
 """Other processes using more than a quarter of a core on average make the CPU figures unreliable."""
 BUSY_STEAL = 0.05
 """More than 5% of the CPU time stolen by the hypervisor makes them unreliable too."""
-_THROTTLE_OK = ("gpu_idle", "applications_clocks_setting", "none")
+# Reasons that are not a slowdown: an idle GPU, clocks set on purpose (application / user-defined clocks are one
+# bit, which pynvml names both ways), the display's clock setting.
+_THROTTLE_OK = ("gpu_idle", "applications_clocks_setting", "user_defined_clocks", "display_clock_setting", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,7 @@ class ActivitySampler:
         self._start_wall = time.monotonic()
         self._start_times = _cpu_times()
         self._read_processes(first=True)
+        self._read_gpus()  # the energy counter from the start, not from the first sample a second later
         self._thread = threading.Thread(target=self._run, name="hfscale-activity", daemon=True)
         self._thread.start()
         return self
@@ -128,6 +131,8 @@ class ActivitySampler:
         if self._thread is None:
             return MachineActivity(samples=0, duration_s=0.0, cpu_count=os.cpu_count() or 1)
         self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._read_gpus()  # ... and to the end
         duration = time.monotonic() - self._start_wall
         busy = sorted(self._busy.items(), key=lambda kv: -kv[1][1])[:5]
         cores = self._other_cores

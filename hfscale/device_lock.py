@@ -118,9 +118,16 @@ def hold_devices(
     from filelock import FileLock, Timeout
 
     if wait_s is None:
-        wait_s = float(os.environ.get(WAIT_ENV) or DEFAULT_WAIT_S)
+        raw = os.environ.get(WAIT_ENV)
+        try:
+            wait_s = float(raw) if raw else DEFAULT_WAIT_S
+        except ValueError:
+            raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds") from None
     if share is None:
-        share = os.environ.get(MODE_ENV, "wait") == "share"
+        mode = os.environ.get(MODE_ENV, "wait").strip().lower()
+        if mode not in ("wait", "share"):
+            raise ValueError(f"{MODE_ENV}={mode!r}: expected 'wait' or 'share'")
+        share = mode == "share"
     folder = directory or lock_dir()
     try:
         _open_dir(folder)

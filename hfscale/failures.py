@@ -83,17 +83,20 @@ def _fatal_lines(stderr_tail: str) -> list[tuple[int | None, str]]:
         python_error = _ERROR_LINE.match(line) is not None and not line.startswith(_LAUNCHER_ERRORS)
         if python_error and line.rstrip().endswith(":"):
             # A message that starts on the next lines (numpy's ImportError): its last line says what failed.
-            line = f"{line.strip()} {_message_tail(lines[at + 1 :])}".rstrip()
+            line = f"{line.strip()} {_message_tail(lines[at + 1 :], rank)}".rstrip()
         if python_error or _NATIVE_FATAL.match(line):
             found.append((rank, line.strip()))
     return found
 
 
-def _message_tail(following: list[str]) -> str:
-    """The last non-empty line of a multi-line exception message: the lines after the exception's own line, up to
-    the next traceback or exception line."""
+def _message_tail(following: list[str], rank: int | None) -> str:
+    """The last non-empty line of a multi-line exception message: the lines after the exception's own line from
+    the same rank, up to the next traceback or exception line (another rank's lines, or the launcher's, end it)."""
     last = ""
     for raw in following:
+        prefix = _RANK_PREFIX.match(raw)
+        if (int(prefix.group(1)) if prefix else None) != rank:
+            break
         line = _RANK_PREFIX.sub("", raw).strip()
         if line.startswith("Traceback") or _ERROR_LINE.match(line) or _NATIVE_FATAL.match(line):
             break

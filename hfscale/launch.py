@@ -149,8 +149,8 @@ def direct_command(command: list[str], env: Mapping[str, str]) -> tuple[list[str
     surprise from accelerate's internals (they are not public API) also gives None.
     """
     python, flag, module, *arguments = command
-    if (flag, module) != ("-m", "accelerate.commands.launch"):
-        return None
+    if (flag, module) != ("-m", "accelerate.commands.launch") or python != sys.executable:
+        return None  # another interpreter's accelerate decides for itself
     try:
         from unittest import mock
 
@@ -171,6 +171,8 @@ def direct_command(command: list[str], env: Mapping[str, str]) -> tuple[list[str
             argv, direct_env = prepare_simple_launcher_cmd_env(args)
     except Exception as exc:  # accelerate's internals moved: run its launcher as a user would
         logger.debug("launching through accelerate launch (no direct command: %s)", exc)
+        return None
+    if argv[0] != sys.executable:  # a launcher in front of python (mpirun): not one plain process
         return None
     return [python, *argv[1:]], dict(direct_env)
 
@@ -329,6 +331,42 @@ def launch_group(
     oom_before = oom_killed_count()
     strategy = trial.spec.strategy
     held = contextlib.ExitStack()  # the devices' locks and the TMPDIR, until the group has ended
+    with held:
+        return _run_held(
+            held,
+            trial,
+            cmd,
+            env,
+            files_dir,
+            strategy,
+            timeout_s,
+            memory_limit_gib,
+            oom_before,
+            port,
+            run_dir=run_dir,
+            progress=progress,
+            on_tick=on_tick,
+        )
+
+
+def _run_held(
+    held: contextlib.ExitStack,
+    trial: RecipeTrial,
+    cmd: list[str],
+    env: dict[str, str],
+    files_dir: Path,
+    strategy: Any,
+    timeout_s: float,
+    memory_limit_gib: float | None,
+    oom_before: int | None,
+    port: int,
+    *,
+    run_dir: Path | None,
+    progress: Callable[[str], None],
+    on_tick: Callable[[float], None] | None,
+) -> Launched:
+    """The rest of :func:`launch_group` with ``held`` open: every lock and folder entered on it is released when
+    it closes, whatever fails on the way."""
     device_hold = held.enter_context(
         hold_devices(
             trial_devices(strategy.device, strategy.num_processes // strategy.num_machines, {**os.environ, **env}),
@@ -337,7 +375,10 @@ def launch_group(
             progress=progress,
         )
     )
-    env["TMPDIR"] = str(held.enter_context(trial_temp_dir(files_dir)))
+    try:
+        env["TMPDIR"] = str(held.enter_context(trial_temp_dir(files_dir)))
+    except OSError as exc:
+        raise RunFolderWriteError(Path(exc.filename) if exc.filename else files_dir, exc) from exc
     started_at = utc_now()
     sampler = ActivitySampler()
     try:
@@ -355,14 +396,14 @@ def launch_group(
     finally:
         activity = sampler.stop()
         finished_at = utc_now()
-        held.close()
+        held.close()  # the locks go as soon as the group has ended, before the result is read
     # Search well back for the error (torchrun's failure table comes after the workers' tracebacks).
     stderr_text = tail(files_dir / STDERR_FILE, max_lines=2000, max_bytes=256 * 1024)
     return Launched(
         command=cmd,
         port=port,
         outcome=outcome,
-        measured=read_measured(result_path),
+        measured=read_measured(files_dir / RESULT_FILE),
         stderr_text=stderr_text,
         memory_limit_gib=memory_limit_gib,
         timeout_s=timeout_s,

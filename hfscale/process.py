@@ -233,15 +233,15 @@ def run_process_group(
             start_new_session=True,
             preexec_fn=_limit_memory(memory_limit_bytes) if memory_limit_bytes else None,
         )
-    if pid_file is not None:
-        tmp = Path(f"{pid_file}.tmp")
-        tmp.write_text(f"{proc.pid}\n", encoding="utf-8")
-        os.replace(tmp, pid_file)
-    if on_start is not None:
-        on_start(proc.pid)
     timed_out = False
     next_tick = start + tick_s
-    try:
+    try:  # from here on, whatever fails (a full disk for the pid file, Ctrl-C) ends the group first
+        if pid_file is not None:
+            tmp = Path(f"{pid_file}.tmp")
+            tmp.write_text(f"{proc.pid}\n", encoding="utf-8")
+            os.replace(tmp, pid_file)
+        if on_start is not None:
+            on_start(proc.pid)
         while True:
             now = time.monotonic()
             if _exited(proc.pid):

@@ -129,6 +129,8 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
     ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
     float."""
     for key, value in training_args.items():
+        if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
         if key in REFUSED_TRAINING_ARGS and value:
             raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
         if key in OWNED_TRAINING_ARGS:

@@ -246,8 +246,17 @@ def _validate(cls: type, data: dict[str, Any]) -> Any:
         raise ValueError(f"not a valid {cls.__name__}: {problems}") from None
 
 
+def to_json_text(record: TrialResult | TrialOutcome, *, indent: int | None = None) -> str:
+    """A row or an outcome as standard JSON text: a NaN or infinite loss is written as the string ``"NaN"`` or
+    ``"Infinity"`` (bare ``NaN`` tokens are not JSON: jq and browsers refuse them), which reads back as the float."""
+    import pydantic_core
+
+    data = _adapter(type(record)).dump_python(record, mode="json")
+    return pydantic_core.to_json(data, indent=indent, inf_nan_mode="strings").decode("utf-8")
+
+
 def row_to_json(row: TrialResult) -> dict[str, Any]:
-    """The row as a JSON-ready dict (what one line of ``results.jsonl`` holds); inf and NaN become null."""
+    """The row as a JSON-ready dict (what one line of ``results.jsonl`` holds; floats may be NaN or inf)."""
     return _adapter(TrialResult).dump_python(row, mode="json")
 
 
@@ -308,7 +317,7 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     row["estimate_error"] = extra.get("estimate_error")
     if "command" in extra:
         row["launch"] = {key: extra[key] for key in _V1_LAUNCH if key in extra}
-    if data.get("status") in ("ok", "not_applied") and data.get("memory") is not None:
+    if data.get("status") in ("ok", "not_applied") and any(data.get(k) is not None for k in _V1_MEASURED):
         row["measured"] = {
             "trial": data["trial"],
             "status": data["status"],
@@ -339,4 +348,5 @@ __all__ = [
     "migrate_row",
     "row_from_json",
     "row_to_json",
+    "to_json_text",
 ]

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from hfscale.results import SCHEMA_VERSION, TrialResult, row_from_json, row_to_json
+from hfscale.results import SCHEMA_VERSION, TrialResult, row_from_json, to_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class RunFolder:
             RunFolderWriteError: when the file cannot be written (disk full, read-only); the rows already written
                 are kept, and what was written of this one is cut off again (so the file ends with a whole row).
         """
-        line = (json.dumps(row_to_json(row), sort_keys=True) + "\n").encode("utf-8")
+        line = (to_json_text(row) + "\n").encode("utf-8")
         try:
             size = self.results_path.stat().st_size
         except FileNotFoundError:

@@ -259,7 +259,8 @@ class Sweep:
                 f"{first.name}: ± {precision:.1%} after {len(rows)} run(s), target ± {measure.target_precision:.1%}: "
                 "one more run"
             )
-            more.append(dataclasses.replace(first, repeat=len(rows), index=index + len(more)))
+            repeat = max(key[1] for key in self.stored if key[0] == first.name) + 1  # never an existing key
+            more.append(dataclasses.replace(first, repeat=repeat, index=index + len(more)))
         return more
 
     def _launch(self, run: PlannedRun, prefix: str, *, elapsed: float) -> TrialResult:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfscale.model import build_model
-from hfscale.results import TrialOutcome
+from hfscale.results import TrialOutcome, to_json_text
 from hfscale.spec import TrialSpec
 
 if TYPE_CHECKING:
@@ -164,7 +164,9 @@ class LossRecorder:
     Trainer (logging every 500 steps by default) does not pay. Instead :meth:`wrap` keeps what each micro-batch's
     ``training_step`` returns (exactly what the Trainer adds to the loss it logs) as a detached device tensor, with
     the optimizer step it belongs to, and :meth:`curve` adds them up per step and averages over ranks, as the
-    Trainer's logged loss does.
+    Trainer's logged loss does. Two differences, both on purpose: a NaN or inf loss is kept (the Trainer's
+    ``logging_nan_inf_filter`` would log the running average instead; the parity check must see it), and every rank
+    must run the same number of micro-batches (accelerate's default ``even_batches``) for the gather.
     """
 
     def __init__(self) -> None:
@@ -363,7 +365,7 @@ def write_outcome(outcome: TrialOutcome, path: str | os.PathLike[str]) -> None:
     """Write the outcome as JSON atomically (the sweep never reads half a file)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(outcome.to_json(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(to_json_text(outcome, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -393,7 +395,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"the strategy's TrainingArguments keywords (JSON); default: {TRAINING_ARGS_FILE} next to the spec, "
         "else computed from the spec's strategy",
     )
-    parser.add_argument("--log-level", default="WARNING", help="logging level of hfscale (default WARNING)")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level of hfscale (default WARNING)",
+    )
     return parser
 
 
@@ -403,18 +411,25 @@ def main(argv: list[str] | None = None) -> int:
     from hfscale.process import watch_driver
 
     watch_driver()  # a trial never outlives the sweep that started it (its whole group is killed when it dies)
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("hfscale").setLevel(args.log_level.upper())
-    spec = TrialSpec.read(args.spec)
+    logging.getLogger("hfscale").setLevel(args.log_level)
+    try:
+        spec = TrialSpec.read(args.spec)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        parser.error(f"{args.spec}: not a readable trial spec ({type(exc).__name__}: {exc})")
     ta_path = args.training_args
     if ta_path is None and (args.spec.parent / TRAINING_ARGS_FILE).is_file():
         ta_path = args.spec.parent / TRAINING_ARGS_FILE
     strategy_kwargs = None
     if ta_path is not None:
-        strategy_kwargs = json.loads(ta_path.read_text(encoding="utf-8"))
+        try:
+            strategy_kwargs = json.loads(ta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            parser.error(f"{ta_path}: not readable TrainingArguments JSON ({exc})")
         logger.info("strategy TrainingArguments from %s", ta_path)
     run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
     return 0

@@ -113,3 +113,21 @@ def test_gpu_readings_come_from_nvml():
     torch.cuda.synchronize()
     activity = sampler.stop()
     assert activity.gpus and activity.gpus[0].sm_clock_mhz_max and activity.gpus[0].temperature_c_max
+
+
+def test_clocks_set_on_purpose_are_not_throttling():
+    """pynvml names the application-clocks bit twice (ApplicationsClocksSetting, UserDefinedClocks): neither is a
+    slowdown; a thermal slowdown is."""
+    import types
+
+    from hfscale.activity import _throttle_names
+
+    fake = types.SimpleNamespace(
+        nvmlClocksThrottleReasonGpuIdle=0x1,
+        nvmlClocksThrottleReasonApplicationsClocksSetting=0x2,
+        nvmlClocksThrottleReasonUserDefinedClocks=0x2,
+        nvmlClocksThrottleReasonDisplayClockSetting=0x100,
+        nvmlClocksThrottleReasonSwThermalSlowdown=0x20,
+    )
+    assert _throttle_names(fake, 0x1 | 0x2 | 0x100) == []
+    assert _throttle_names(fake, 0x2 | 0x20) == ["sw_thermal_slowdown"]

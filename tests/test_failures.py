@@ -187,3 +187,17 @@ def test_a_library_that_cannot_be_mapped_under_the_memory_limit_is_out_of_memory
     long_tail = NUMPY_UNDER_A_MEMORY_LIMIT + "".join(f"note {i}\n" for i in range(60))
     excerpt = stderr_excerpt(long_tail)  # the error's first line is found although its message spans lines
     assert excerpt.splitlines()[3:5] == ["ImportError:", "..."]
+
+
+def test_a_multi_line_message_ends_where_its_rank_stops_printing():
+    text = (
+        "[rank0]: ImportError:\n[rank0]: \n[rank0]: Original error was: failed to map segment from shared object\n"
+        "[rank1]: RuntimeError: Cannot allocate memory on the other rank\n"
+        "E0101 12:00:00.000 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: 1)\n"
+    )
+    lines = {error.rank: error.line for error in [final_error(text)]}
+    assert "torch/distributed" not in next(iter(lines.values()))
+    from hfscale.failures import _fatal_lines
+
+    rank0 = [line for rank, line in _fatal_lines(text) if rank == 0]
+    assert rank0 == ["ImportError: Original error was: failed to map segment from shared object"]

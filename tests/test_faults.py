@@ -328,3 +328,15 @@ def test_a_read_only_and_a_full_filesystem_keep_every_row_and_resume_finishes(tm
     filler.unlink()
     assert main(["--resume", str(run), "--no-report"]) == 0
     assert [r.trial for r in read_results(run)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [("HFSCALE_DEVICE_WAIT_S", "6h", "expected a number of seconds"), ("HFSCALE_DEVICE_LOCK", "shared", "'wait'")],
+)
+def test_a_bad_device_lock_setting_names_the_variable(monkeypatch, tmp_path, variable, value, message):
+    from hfscale.device_lock import hold_devices
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}=.*{message}"), hold_devices(["cpu"], run_dir=tmp_path, trial="t"):
+        pass

@@ -271,3 +271,9 @@ def test_unreadable_recipe_paths_are_recipe_errors(tmp_path: Path) -> None:
     binary.write_bytes(b"name: x\n\xff\xfe\x00")
     with pytest.raises(RecipeError, match=r"binary\.yaml: not a UTF-8 text file"):
         load_recipe(binary)
+
+
+@pytest.mark.parametrize("seed", [None, "abc", 1.5, True])
+def test_a_seed_that_is_not_an_integer_is_refused_at_load(tmp_path, seed):
+    with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.seed: expected an integer"):
+        load_recipe(write(tmp_path, with_(training_args={"seed": seed})))

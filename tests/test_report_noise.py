@@ -252,3 +252,19 @@ def test_a_real_cpu_hog_during_a_sweep_flags_its_rows_and_no_speed_claim_is_made
         assert row["unstable"], trial
         assert "other processes used" in row["unstable_reason"] and f"({hog.pid})" in row["unstable_reason"]
     assert summary.recommendation.fastest is None
+
+
+def test_a_single_run_lead_is_said_to_be_untested() -> None:
+    """One run each (with step times): the fastest is named, and its lead is said not to be tested."""
+    rows = [_trial("base", 0.10, seed=1, is_baseline=True), _trial("fast", 0.09, seed=2)]
+    text = " ".join(as_plain(line) for line in report.summarize(rows).recommendation.lines)
+    assert "fast" in text and "is not tested against the noise" in text
+
+
+def test_a_memory_tie_is_decided_on_the_figure_it_prints() -> None:
+    from hfscale.report.noise import memory_tie
+
+    a = {"fit_gib": 10.0, "peak_gib": 8.0, "peak_gib_min": 7.0, "peak_gib_max": 9.0}
+    b = {"fit_gib": 12.0, "peak_gib": 8.5, "peak_gib_min": 8.0, "peak_gib_max": 9.5}
+    assert not memory_tie(a, b)  # 10 and 12 GiB of fit are 17% apart; the peaks' overlap does not decide it
+    assert memory_tie(a, b, key="peak_gib")

@@ -84,3 +84,41 @@ def _strategy():
     from hfscale.strategy import Strategy
 
     return Strategy(name="x", device="cpu")
+
+
+def test_a_diverged_loss_is_written_as_standard_json_and_read_back(tmp_path):
+    import json
+    import math
+
+    from hfscale.results import TrialOutcome, TrialResult
+    from hfscale.run_folder import RunFolder
+    from hfscale.strategy import Strategy
+
+    measured = TrialOutcome(trial="lr10", status="ok", loss_curve=[2.0, math.inf, math.nan])
+    row = TrialResult(trial="lr10", strategy=Strategy(name="lr10", device="cpu"), status="ok", measured=measured)
+    folder = RunFolder(tmp_path)
+    folder.append(row)
+
+    def refuse(token):
+        raise ValueError(f"bare {token} is not JSON")
+
+    line = folder.results_path.read_text().splitlines()[0]
+    json.loads(line, parse_constant=refuse)  # strings, not NaN/Infinity tokens
+    (back,) = folder.rows(on_bad_line="raise")
+    assert back.loss_curve[0] == 2.0 and math.isinf(back.loss_curve[1]) and math.isnan(back.loss_curve[2])
+
+
+def test_a_schema_1_row_without_memory_keeps_what_it_measured():
+    from hfscale.results import row_from_json
+
+    row = row_from_json(
+        {
+            "trial": "t",
+            "strategy": {"name": "t", "device": "cpu"},
+            "status": "ok",
+            "memory": None,
+            "loss_curve": [1.0, 0.5],
+            "extra": {"world_size": 1},
+        }
+    )
+    assert row.measured is not None and row.loss_curve == [1.0, 0.5]

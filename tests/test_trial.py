@@ -220,6 +220,18 @@ def test_a_strategy_that_did_not_take_effect_is_not_applied(tmp_path):
     assert outcome.loss_curve  # the figures are kept, under a status that says they are not bf16's
 
 
+@pytest.mark.parametrize(
+    "argv", [["spec.json", "--log-level", "bogus"], ["missing-spec.json"]], ids=["log-level", "spec"]
+)
+def test_bad_arguments_are_usage_errors(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spec.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: python -m hfscale.trial" in capsys.readouterr().err
+
+
 def test_usage_error_exits_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--no-such-option"])

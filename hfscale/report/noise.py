@@ -242,19 +242,20 @@ def speed_tie(a: Mapping[str, Any], b: Mapping[str, Any], groups: Mapping[str, G
         _value(b, "samples_per_step"),
     )
     runs = min(len(groups.get(a["trial"], [])), len(groups.get(b["trial"], [])))
-    return speed_verdict(ratio[0] / ratio[1], interval, runs) == "tie", interval is not None
+    tested = interval is not None and runs >= MIN_RUNS_FOR_A_RANKING  # the interval could decide the verdict
+    return speed_verdict(ratio[0] / ratio[1], interval, runs) == "tie", tested
 
 
 def memory_tie(a: Mapping[str, Any], b: Mapping[str, Any], key: str = "fit_gib") -> bool:
-    """Two trials' memory figures within the noise threshold of each other, or with overlapping ranges over
-    repeats."""
+    """Two trials' memory figures (``key``) within the noise threshold of each other; for the peak, also when
+    its ranges over repeats overlap (the ranges are the peak's, so they decide only a tie of the peak)."""
     x, y = _value(a, key), _value(b, key)
     if x is None or y is None:
         return False
     if abs(x - y) <= NOISE_THRESHOLD * max(x, y):
         return True
     ranges = [(_value(r, "peak_gib_min"), _value(r, "peak_gib_max")) for r in (a, b)]
-    if all(lo is not None for lo, _ in ranges):
+    if key == "peak_gib" and all(lo is not None for lo, _ in ranges):
         (lo_a, hi_a), (lo_b, hi_b) = ranges
         return lo_a <= hi_b and lo_b <= hi_a  # type: ignore[operator]
     return False

@@ -113,9 +113,8 @@ def _fastest_lines(
                 lead = 100 * (leader["samples_per_s"] / runner["samples_per_s"] - 1)
                 lines.append(
                     rich(
-                        "Its lead over {other} ({lead:.1f}%) is not tested against the noise: single runs without "
-                        "step times have no interval (run with repeats on a version of hfscale that keeps step "
-                        "times).",
+                        "Its lead over {other} ({lead:.1f}%) is not tested against the noise: that needs at least "
+                        "two runs of each trial with step times (measure.repeats, or measure.target_precision).",
                         other=runner["trial"],
                         lead=lead,
                     )
@@ -127,8 +126,8 @@ def _fastest_lines(
     why = (
         "the 95% interval of each speed ratio holds 1 or stays within 2% of it"
         if tested
-        else "they are within the 2% noise threshold of each other, and single runs without step times have no "
-        "interval that could rank them"
+        else "they are within the 2% noise threshold of each other, and without two runs of each (with step "
+        "times) no interval could rank them"
     )
     by_memory = sorted(tied, key=lambda r: r["fit_gib"])
     best = by_memory[0]
