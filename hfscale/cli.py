@@ -27,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "train a recipe's trials, each in a fresh process, and record results",
     ),
+    "slurm": (
+        "hfscale.slurm",
+        "main",
+        "write an sbatch script running a sweep on several nodes (and each node's command without Slurm)",
+    ),
     "report": ("hfscale.report", "main", "write report.md, report.html and results.csv for a run folder"),
     "compare": ("hfscale.report", "compare_main", "the same trials of two run folders side by side"),
     "estimate": ("hfscale.estimate", "main", "predict each strategy's peak memory before running"),

@@ -1,4 +1,5 @@
-"""The environment a sweep ran in, as ``environment.json`` records it: machine, GPUs, library versions, commit.
+"""The environment a sweep ran in, as ``environment.json`` records it: machine, GPUs, library versions, commit; in a
+multi-machine sweep each machine's own record as well (``machines/machine-{rank}.json``).
 
 The sweep's own process never initialises CUDA (a context would hold GPU memory through every trial): GPUs are
 read through NVML (``pynvml``, the ``gpu`` extra) and, where NVML is missing, in a short child process with torch.
@@ -13,10 +14,13 @@ import platform
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from hfscale.run_folder import MACHINES_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -342,15 +346,131 @@ def collect_environment(*, python: str = sys.executable, extra: dict[str, Any] |
     return record
 
 
+@dataclass(frozen=True, kw_only=True)
+class MachineEnvironment:
+    """One machine's environment record in a multi-machine run (``machines/machine-{rank}.json``).
+
+    ``environment.json`` is written by machine 0 only; each machine's driver writes its own record here at sweep
+    start, so the report can list every machine's GPUs, driver and host, not only the main one's.
+    """
+
+    machine_rank: int
+    """The machine's rank (accelerate's ``machine_rank``; 0 is the main machine)."""
+    hostname: str
+    """``socket.gethostname()`` on that machine."""
+    record: dict[str, Any]
+    """The full record, as :func:`collect_environment` gives it (plus ``hostname`` and ``machine_rank``)."""
+    path: Path | None = None
+    """Where it was read from; None for a record built in memory."""
+
+    @property
+    def gpus(self) -> list[dict[str, Any]]:
+        return [g for g in self.record.get("gpus") or [] if isinstance(g, dict)]
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """The smallest GPU's memory on this machine (:func:`gpu_memory_bytes`); None without a GPU."""
+        return gpu_memory_bytes(self.record)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], *, path: Path | None = None) -> MachineEnvironment:
+        """Build from a written record.
+
+        Raises:
+            ValueError: when ``machine_rank`` is not a non-negative integer or ``hostname`` is not a string.
+        """
+        where = f"{path}: " if path is not None else ""
+        rank = record.get("machine_rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"{where}machine_rank: expected a non-negative integer, got {rank!r}")
+        hostname = record.get("hostname")
+        if not isinstance(hostname, str):
+            raise ValueError(f"{where}hostname: expected the machine's host name (a string), got {hostname!r}")
+        return cls(machine_rank=rank, hostname=hostname, record=dict(record), path=path)
+
+
+def machine_environment_path(run_dir: str | os.PathLike[str], machine_rank: int) -> Path:
+    """``RUN_DIR/machines/machine-{rank}.json``."""
+    return Path(run_dir) / MACHINES_DIR / f"machine-{machine_rank}.json"
+
+
+def write_machine_environment(
+    run_dir: str | os.PathLike[str],
+    machine_rank: int,
+    *,
+    record: dict[str, Any] | None = None,
+    hostname: str | None = None,
+    python: str = sys.executable,
+) -> Path:
+    """Write this machine's environment record to ``machines/machine-{rank}.json`` of a run folder; returns it.
+
+    Every machine's sweep driver calls this at sweep start (machine 0 too), so the report lists each machine's
+    GPUs, driver and host. The write is atomic (a temporary file, then ``os.replace``): a report reading while a
+    machine writes sees the old record or the new one, never half of one.
+
+    Args:
+        record: the record :func:`collect_environment` already gave this process (the sweep has one for
+            ``environment.json``); None collects it now, probing ``python``'s torch.
+        hostname: the machine's host name; None is this process's (``socket.gethostname()``). Give it when
+            machine 0 writes a record another machine sent it (that record's ``host``).
+
+    Raises:
+        ValueError: when ``machine_rank`` is not a non-negative integer.
+        OSError: when the folder cannot be written.
+    """
+    if isinstance(machine_rank, bool) or not isinstance(machine_rank, int) or machine_rank < 0:
+        raise ValueError(f"machine_rank: expected a non-negative integer (0 is the main machine), got {machine_rank!r}")
+    data = dict(record) if record is not None else collect_environment(python=python)
+    data["hostname"] = hostname if hostname is not None else socket.gethostname()
+    data["machine_rank"] = machine_rank
+    path = machine_environment_path(run_dir, machine_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # pid in the name: two drivers that claim the same rank never share a temporary file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_machine_environments(run_dir: str | os.PathLike[str]) -> list[MachineEnvironment]:
+    """Every machine's record of a run folder, by machine rank; empty when it has none (one-machine runs and
+    runs written before hfscale kept them).
+
+    Raises:
+        ValueError: when a record is not valid JSON or lacks its rank or host name (the message names the file).
+    """
+    folder = Path(run_dir) / MACHINES_DIR
+    if not folder.is_dir():
+        return []
+    machines = []
+    for path in sorted(folder.glob("machine-*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot be read as a machine's environment record: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object (a machine's environment record), got {type(data)}")
+        machines.append(MachineEnvironment.from_record(data, path=path))
+    return sorted(machines, key=lambda m: m.machine_rank)
+
+
 __all__ = [
     "ENV_PREFIXES",
     "ENV_VARS",
+    "MACHINES_DIR",
     "PACKAGES",
+    "MachineEnvironment",
     "collect_environment",
     "git_commit",
     "gpu_info",
     "gpu_memory_bytes",
     "hfscale_install",
+    "machine_environment_path",
     "package_versions",
+    "read_machine_environments",
     "recorded_env",
+    "write_machine_environment",
 ]

@@ -14,6 +14,10 @@ count as the Chinchilla paper's appendix F without the embedding terms, and torc
 - ``12 * L * H * T``: attention scores and the weighted sum of values, which have no parameters: per layer ``L``
   and token, ``2 * 2 * H * T`` FLOPs forward (``QK^T`` and ``AV`` over a context of ``T`` tokens, ``H`` the hidden
   size = heads x head dimension), times 3 for forward + backward. Causal masking is not subtracted (as in PaLM).
+- LoRA: the adapters' two matrices per layer are in ``N`` like any Linear; a frozen parameter still needs the
+  gradient with respect to its input but none for itself, so it counts 4 instead of 6 (``6 * N - 2 * N_frozen``).
+  QLoRA's 4-bit weights are dequantised to the compute dtype for each matmul, so they count at their unquantised
+  shape (bitsandbytes packs two per stored byte).
 
 This is *model* FLOPs, the useful work: activation recomputation (gradient checkpointing runs the forward pass a
 second time, 8N instead of 6N) is deliberately not counted, so checkpointing shows up as a lower MFU, which is
@@ -23,6 +27,7 @@ what it costs. Peaks are dense (no 2:4 sparsity) tensor-core figures from NVIDIA
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Literal
 
@@ -31,6 +36,17 @@ logger = logging.getLogger(__name__)
 ComputeDtype = Literal["fp32", "tf32", "fp16", "bf16"]
 
 _H_SXM = {"fp32": 66.9e12, "tf32": 494.7e12, "fp16": 989.5e12, "bf16": 989.5e12}
+
+# Sources (NVIDIA product datasheets, dense figures; where a datasheet quotes "with sparsity" the figure is halved):
+#   H100 SXM / PCIe / NVL: "NVIDIA H100 Tensor Core GPU" datasheet, https://www.nvidia.com/en-us/data-center/h100/
+#     (SXM: TF32 989 TFLOPS sparse -> 494.7 dense, BF16/FP16 1,979 sparse -> 989.5, FP32 67)
+#   H200 / H200 NVL: "NVIDIA H200 Tensor Core GPU" datasheet, https://www.nvidia.com/en-us/data-center/h200/
+#   GH200: "NVIDIA GH200 Grace Hopper Superchip" datasheet (the same Hopper SXM tensor figures)
+#   A100: "NVIDIA A100 Tensor Core GPU" datasheet, https://www.nvidia.com/en-us/data-center/a100/
+#     (TF32 156, BF16/FP16 312, FP32 19.5 TFLOPS, dense)
+#   A10, A30, A40, L4, L40S, V100, T4: the product datasheets at https://www.nvidia.com/en-us/data-center/
+#   A10G: AWS EC2 G5 instance documentation (the A10G's tensor throughput is below the A10's)
+# TF32 is the fp32-input tensor-core rate: MFU divides by it when an fp32 run has TF32 matmuls on.
 
 DEVICE_PEAK_FLOPS: dict[str, dict[str, float]] = {
     # Hopper: H100 / H200 datasheets (tensor-core figures are quoted with sparsity; halved here).
@@ -112,8 +128,10 @@ def compute_dtype(args: Any, observed: str | None = None) -> ComputeDtype:
             ``float16``, ``float32``; :class:`hfscale.verify.LinearDtypeProbe`). It wins over the arguments: a model
             loaded in bf16 without ``args.bf16`` computes in bf16.
 
-    fp32 counts as tf32 when torch is allowed to use TF32 for matmuls (``args.tf32`` or
-    ``torch.backends.cuda.matmul.allow_tf32``/``torch.get_float32_matmul_precision() != "highest"``).
+    fp32 counts as tf32 when torch is allowed to use TF32 for matmuls: ``args.tf32``, or the flag as torch holds it
+    inside the run (:func:`hfscale.kernels.tf32_matmul_enabled`: transformers also turns it on by itself for
+    ``torch_compile`` on an Ampere or newer GPU, and sets it through the torch >= 2.9 API, after which reading the
+    legacy ``allow_tf32`` raises).
     """
     if observed in _OBSERVED_DTYPES:
         return _OBSERVED_DTYPES[observed]
@@ -123,25 +141,30 @@ def compute_dtype(args: Any, observed: str | None = None) -> ComputeDtype:
         return "fp16"
     if getattr(args, "tf32", None):
         return "tf32"
-    try:
-        import torch
+    from hfscale.kernels import tf32_matmul_enabled
 
-        if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-            return "tf32"
-    except Exception:  # a torch build without the CUDA backend module
-        pass
-    return "fp32"
+    try:
+        return "tf32" if tf32_matmul_enabled() else "fp32"
+    except ImportError:  # no torch: nothing enabled TF32
+        return "fp32"
 
 
 def _numel(param: Any) -> int:
+    # bitsandbytes packs two 4-bit weights per uint8 element (QLoRA): the matmul runs on the dequantised weight,
+    # whose shape the quant state keeps. Counting the packed tensor read half the FLOPs (0.1's closing note).
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(int(d) for d in shape)
     # DeepSpeed ZeRO-3 leaves an empty placeholder in each partitioned parameter; the full size is ds_numel.
     return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
-def count_parameters(model: Any, *, exclude_embeddings: bool = True) -> int:
+def count_parameters(model: Any, *, exclude_embeddings: bool = True, frozen_only: bool = False) -> int:
     """Parameters of ``model`` (each shared tensor once), without ``nn.Embedding`` tables when asked.
 
-    An output projection tied to the token embedding is the same tensor, so it is excluded with it.
+    An output projection tied to the token embedding is the same tensor, so it is excluded with it. peft's
+    ``original_module`` (the head a ``modules_to_save`` copy replaces in forward) computes nothing and is left out.
+    ``frozen_only`` counts only parameters without ``requires_grad`` (LoRA's base).
     """
     import torch
 
@@ -150,15 +173,22 @@ def count_parameters(model: Any, *, exclude_embeddings: bool = True) -> int:
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 embedding_ids.update(id(p) for p in module.parameters(recurse=False))
-    return sum(_numel(p) for p in model.parameters() if id(p) not in embedding_ids)
+    return sum(
+        _numel(p)
+        for name, p in model.named_parameters()
+        if id(p) not in embedding_ids
+        and "original_module" not in name.split(".")
+        and not (frozen_only and p.requires_grad)
+    )
 
 
-def matmul_parameters(model: Any) -> int:
+def matmul_parameters(model: Any, *, frozen_only: bool = False) -> int:
     """``N`` of the FLOPs formula: :func:`count_parameters` without embeddings, plus an output head tied to an
-    embedding table (the same tensor, but a real matmul per token)."""
+    embedding table (the same tensor, but a real matmul per token). ``frozen_only``: the part of ``N`` that gets
+    no weight gradient (LoRA's frozen base), the ``frozen_params`` of :func:`transformer_flops_per_token`."""
     import torch
 
-    count = count_parameters(model)
+    count = count_parameters(model, frozen_only=frozen_only)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     weight = getattr(head, "weight", None)
@@ -166,7 +196,7 @@ def matmul_parameters(model: Any) -> int:
         embedding_ids = {
             id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
         }
-        if id(weight) in embedding_ids:
+        if id(weight) in embedding_ids and not (frozen_only and weight.requires_grad):
             count += _numel(weight)
     return count
 
@@ -192,13 +222,21 @@ def meta_copy(model: Any) -> Any:
 
 
 def transformer_flops_per_token(
-    *, non_embedding_params: int, num_layers: int, hidden_size: int, seq_len: float
+    *, non_embedding_params: int, num_layers: int, hidden_size: int, seq_len: float, frozen_params: int = 0
 ) -> float:
     """``6 * N + 12 * L * H * T``: model FLOPs to train on one token (see the module docstring).
 
+    ``frozen_params`` of the ``N`` get no weight gradient (LoRA's base): their backward computes the input
+    gradient only, 2 FLOPs per parameter and token instead of 4, so each counts 4 instead of 6. LoRA's adapter
+    matrices are ordinary trainable matmuls inside ``N``.
+
     Raises:
-        ValueError: for a negative or zero size.
+        ValueError: for a negative or zero size, or more frozen parameters than ``N``.
     """
+    if not 0 <= frozen_params <= non_embedding_params:
+        raise ValueError(
+            f"frozen_params: expected 0 to non_embedding_params={non_embedding_params!r}, got {frozen_params!r}"
+        )
     for name, value in (
         ("non_embedding_params", non_embedding_params),
         ("num_layers", num_layers),
@@ -207,7 +245,7 @@ def transformer_flops_per_token(
     ):
         if value <= 0:
             raise ValueError(f"{name}: expected a positive number, got {value!r}")
-    return 6.0 * non_embedding_params + 12.0 * num_layers * hidden_size * seq_len
+    return 6.0 * non_embedding_params - 2.0 * frozen_params + 12.0 * num_layers * hidden_size * seq_len
 
 
 def model_shape(model: Any, *, from_config: bool = False) -> tuple[int, int, int]:
@@ -242,7 +280,11 @@ def model_flops_per_token(model: Any, seq_len: float) -> float:
     """
     params, layers, hidden = model_shape(model)
     return transformer_flops_per_token(
-        non_embedding_params=params, num_layers=layers, hidden_size=hidden, seq_len=seq_len
+        non_embedding_params=params,
+        num_layers=layers,
+        hidden_size=hidden,
+        seq_len=seq_len,
+        frozen_params=matmul_parameters(model, frozen_only=True),
     )
 
 

@@ -16,6 +16,13 @@ default mesh) works on CPU. So the adjustment is narrow: after ``AcceleratorStat
 (``distributed_type = FSDP``, ``fsdp_plugin`` set, the plugin told the mixed precision). FSDP1 is left alone: it
 needs an accelerator device (``hfscale.strategy`` refuses it on CPU).
 
+Hybrid sharding (HSDP) needs nothing more: its 2-D mesh comes from accelerate's ``parallelism_config``
+(``dp_replicate`` machines x ``dp_shard`` processes each, :func:`hfscale.configs.fsdp.parallelism_config`), which
+accelerate builds with ``init_device_mesh`` on the state's device type, ``cpu`` here, and hands to ``fully_shard``.
+Measured with 2 machines x 2 processes on one host (``tests/test_multi_machine.py``): FSDP's own mesh is
+``dp_replicate 2 x dp_shard 2``, the shard groups are ranks ``[0, 1]`` and ``[2, 3]`` (one per machine), and each
+rank holds half the parameters.
+
 Whether the adjustment took effect is not assumed: ``hfscale.verify`` reads the distributed type, the wrapper class
 and the parameters held per rank from inside the run, and a trial whose record says DDP is ``not_applied``.
 """

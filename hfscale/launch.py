@@ -25,6 +25,7 @@ from typing import Any
 
 from hfscale.activity import ActivitySampler, MachineActivity
 from hfscale.batch_search import ProbeOutcome
+from hfscale.configs.accelerate import visible_devices
 from hfscale.device_lock import DeviceHold, hold_devices, trial_devices
 from hfscale.failures import Classification, classify, oom_killed_count, stderr_excerpt
 from hfscale.plan import PlannedRun, SweepSettings
@@ -301,11 +302,13 @@ def launch_group(
     on_tick: Callable[[float], None] | None = None,
     progress: Callable[[str], None] = logger.info,
     run_dir: Path | None = None,
+    lock_devices: bool = True,
 ) -> Launched:
     """Write the trial's configs, run its process group (limits from ``settings`` over the recipe's) and read what
     it left: the result file and the end of stderr. The group holds its devices' locks while it runs (another
     sweep's trial on them is waited for: ``progress`` names it) and has its own ``TMPDIR``
-    (:func:`trial_temp_dir`).
+    (:func:`trial_temp_dir`). ``lock_devices=False`` leaves the locks to the caller (several machines' groups of
+    one trial on one host, which must run at once: :func:`hfscale.machine_launch.launch_machines_here`).
 
     Raises:
         KeyboardInterrupt: when interrupted; the group has been ended.
@@ -346,6 +349,7 @@ def launch_group(
             run_dir=run_dir,
             progress=progress,
             on_tick=on_tick,
+            lock_devices=lock_devices,
         )
 
 
@@ -364,17 +368,22 @@ def _run_held(
     run_dir: Path | None,
     progress: Callable[[str], None],
     on_tick: Callable[[float], None] | None,
+    lock_devices: bool = True,
 ) -> Launched:
     """The rest of :func:`launch_group` with ``held`` open: every lock and folder entered on it is released when
     it closes, whatever fails on the way."""
-    device_hold = held.enter_context(
-        hold_devices(
-            trial_devices(strategy.device, strategy.num_processes // strategy.num_machines, {**os.environ, **env}),
-            run_dir=run_dir or files_dir,
-            trial=trial.name,
-            progress=progress,
+    device_hold = None
+    devices = trial_devices(strategy.device, strategy.num_processes // strategy.num_machines, {**os.environ, **env})
+    env.update(visible_devices(strategy, devices))  # data_parallel "dp": its one process sees exactly these GPUs
+    if lock_devices:
+        device_hold = held.enter_context(
+            hold_devices(
+                devices,
+                run_dir=run_dir or files_dir,
+                trial=trial.name,
+                progress=progress,
+            )
         )
-    )
     try:
         env["TMPDIR"] = str(held.enter_context(trial_temp_dir(files_dir)))
     except OSError as exc:

@@ -185,6 +185,11 @@ class ThroughputSummary:
     step_times_s: list[float] = field(default_factory=list)
     """Every measured step's time (the slowest rank's), in step order: the samples the report's intervals are
     bootstrapped from (``hfscale.stats``)."""
+    first_step_s: float | None = None
+    """The first optimizer step's time (the slowest rank's), a warm-up step left out of the figures above: under
+    ``torch.compile`` it holds the compilation (README, "Compilation, attention kernels, TF32 and Liger": seconds
+    to minutes against milliseconds per steady step), so compile cost is read here and steady-state speed above.
+    None when no step was timed."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,7 +214,7 @@ class ThroughputSummary:
         return {k: v for k, v in out.items() if v is not None}
 
 
-Wrapper = Literal["none", "DDP", "DeepSpeedEngine", "FSDP2", "FSDP1"]
+Wrapper = Literal["none", "DDP", "DataParallel", "DeepSpeedEngine", "FSDP2", "FSDP1"]
 """What wrapped the model the Trainer stepped."""
 
 
@@ -260,6 +265,63 @@ class VerificationRecord:
     """Samples per optimizer step across every rank; None where it could not be read."""
     gradient_checkpointing: bool = False
     """Whether activations are recomputed in backward (the model's flag or FSDP's checkpoint wrappers)."""
+    # -- machines ------------------------------------------------------------------------------------------
+    machine_rank_per_rank: list[int] = field(default_factory=list)
+    """Machine (node) rank of each process, in global rank order; empty where it was not read."""
+    hostname_per_rank: list[str] = field(default_factory=list)
+    """Host name of each process, in global rank order; empty where it was not read."""
+    fsdp_mesh: dict[str, int] | None = None
+    """FSDP2's device mesh as dimension name -> size (``{"dp_replicate": 2, "dp_shard": 2}`` under hybrid
+    sharding); None without FSDP2 or where it could not be read."""
+    fsdp_shard_groups: list[list[int]] = field(default_factory=list)
+    """FSDP2: the global ranks of each group that splits one parameter among itself (the mesh's shard dimension),
+    sorted; with :attr:`machine_rank_per_rank` it shows whether hybrid sharding stayed inside each machine. Empty
+    without FSDP2 or where it was not read."""
+    # -- kernels and compilation ---------------------------------------------------------------------------
+    compiled: bool | None = None
+    """Whether the stepped model ran through ``torch.compile`` (dynamo compiled at least one frame); None where it
+    was not read."""
+    compile_backend: str | None = None
+    """The torch.compile backend that ran (``inductor``, ``aot_eager``, ...); None when not compiled."""
+    compile_graph_breaks: int | None = None
+    """Graph breaks dynamo counted in the run (each one splits the compiled model, with Python between the pieces);
+    None when not compiled."""
+    attn_implementation: str | None = None
+    """The attention kernel the model's config says ran (``eager``, ``sdpa``, ``flash_attention_2``, ...)."""
+    attention_scores_kept: bool | None = None
+    """Whether the first attention module returned the seq x seq probabilities in the first training forward (only
+    eager attention forms them; ``hfscale.kernels.AttentionProbe``); None where it was not observed."""
+    tf32_matmul: bool | None = None
+    """Whether fp32 matmuls may use TF32 inside the run (torch's CUDA matmul flag); None where it was not read."""
+    liger_patched: list[str] = field(default_factory=list)
+    """Class names of the model's modules that Liger kernels replaced; empty when none were."""
+    # -- parameter-efficient fine-tuning -------------------------------------------------------------------
+    params_trainable: int | None = None
+    """Parameter elements that receive gradients (adapters only under LoRA); None where it was not read."""
+    params_adapter: int | None = None
+    """Parameter elements peft added and trains (LoRA matrices, and the copy of a ``modules_to_save`` head such as
+    a classifier): equal to :attr:`params_trainable` when the base is frozen; None where it was not read."""
+    lora_layers: int | None = None
+    """Modules carrying a LoRA adapter; None where it was not read."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Last names of the modules carrying a LoRA adapter (``query``, ``value``), sorted; empty without LoRA."""
+    quantized_4bit_layers: int | None = None
+    """Linear layers whose weights are stored in 4 bits (bitsandbytes ``Linear4bit``); None where not read."""
+    # -- activations ---------------------------------------------------------------------------------------
+    activation_offload_tensors: int | None = None
+    """Tensors the activation-offload hooks moved to (or kept in) CPU memory in the first training step; None
+    without activation offload."""
+    ds_activation_checkpointing: list[str] | None = None
+    """DeepSpeed activation-checkpointing options on (``partition_activations``, ``cpu_checkpointing``) when the
+    model's checkpointed layers call ``deepspeed.checkpointing.checkpoint``; None when they call another function
+    (transformers' default ``torch.utils.checkpoint``) or none is checkpointed."""
+    # -- device mesh -----------------------------------------------------------------------------------------
+    device_mesh: dict[str, int] | None = None
+    """accelerate's ``ParallelismConfig`` mesh as dimension name -> size (``dp_replicate``, ``dp_shard``, ``tp``,
+    ``cp``, ``sp``); None without one."""
+    linear_weight_placements: str | None = None
+    """DTensor placements of one Linear weight (``(Shard(dim=0),)``), showing how tensor parallelism split it;
+    None when the weight is a plain tensor."""
 
     @property
     def params_local_max(self) -> int:
@@ -289,6 +351,8 @@ class VerificationRecord:
                 value = int(value)
             elif isinstance(value, list):
                 value = ",".join(str(v) for v in value)
+            elif isinstance(value, dict):
+                value = ",".join(f"{k}={v}" for k, v in value.items())
             logged[f"verify/{key}"] = value
         return logged
 

@@ -15,10 +15,12 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 
-def build_config(model: ModelSpec, data: DataSpec) -> PretrainedConfig:
+def build_config(model: ModelSpec, data: DataSpec, *, attn_implementation: str | None = None) -> PretrainedConfig:
     """The config a :class:`ModelSpec` describes, with ``num_labels`` from the data for classification.
 
     Cheap (no weights): ``AutoConfig.for_model`` with the overrides, or a ``pretrained`` name's config.
+    ``attn_implementation`` (the strategy's) is written to ``config._attn_implementation``, which
+    ``from_config``/``from_pretrained`` resolve and the estimate reads; None keeps transformers' default.
 
     Raises:
         ValueError: when transformers does not know the model type or refuses the overrides.
@@ -36,6 +38,8 @@ def build_config(model: ModelSpec, data: DataSpec) -> PretrainedConfig:
         # Decoder classifiers (GPT-2, Llama) pool at the last non-pad token and refuse batches without a pad id.
         # Dummy data is never padded, so any id outside [token_low, token_high) is safe.
         config.pad_token_id = getattr(config, "eos_token_id", None) or 0
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     return config
 
 
@@ -60,26 +64,29 @@ def auto_model_class(model: ModelSpec) -> Any:
     return AutoModelForSequenceClassification if model.task == "classification" else AutoModelForCausalLM
 
 
-def build_model(model: ModelSpec, data: DataSpec) -> PreTrainedModel:
+def build_model(model: ModelSpec, data: DataSpec, *, attn_implementation: str | None = None) -> PreTrainedModel:
     """The model a :class:`ModelSpec` describes, with random weights unless ``pretrained`` is set.
 
     Seed first (:func:`transformers.set_seed`) for the same weights in every trial and on every rank.
+    ``attn_implementation`` is passed as transformers 5 takes it (``from_config(config, attn_implementation=...)``,
+    ``from_pretrained(..., attn_implementation=...)``): it checks the kernel is available and raises if not.
 
     Raises:
         ValueError: as :func:`build_config` and :func:`check_vocabulary`.
     """
-    config = build_config(model, data)
+    config = build_config(model, data, attn_implementation=attn_implementation)
     check_vocabulary(config, data)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
     if model.pretrained:
-        return auto_model_class(model).from_pretrained(model.pretrained, config=config)
-    return auto_model_class(model).from_config(config)
+        return auto_model_class(model).from_pretrained(model.pretrained, config=config, **extra)
+    return auto_model_class(model).from_config(config, **extra)
 
 
-def build_meta_model(model: ModelSpec, data: DataSpec) -> PreTrainedModel:
+def build_meta_model(model: ModelSpec, data: DataSpec, *, attn_implementation: str | None = None) -> PreTrainedModel:
     """The same model on the meta device: every parameter's shape, no memory (what the estimate reads)."""
     from accelerate import init_empty_weights
 
-    config = build_config(model, data)
+    config = build_config(model, data, attn_implementation=attn_implementation)
     with init_empty_weights():
         return auto_model_class(model).from_config(config)
 

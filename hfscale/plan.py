@@ -190,6 +190,20 @@ class SweepSettings:
         ),
     )
     """Price of one device-hour; the report's cost per million tokens (None: no cost column)."""
+    machine_wait_s: float = field(
+        default=600.0,
+        metadata=_option(
+            "--machine-wait-s",
+            "on several machines: how long machine 0 waits for another machine's driver before each trial (a "
+            "machine that does not come makes a timeout row naming it) and another machine waits for machine 0's "
+            "plan, in seconds (default %(default)s)",
+            metavar="S",
+            positive=True,
+        ),
+    )
+    """How long a driver waits for another machine's driver (:mod:`hfscale.sweep_machines`): machine 0 before each trial
+    on several machines, machine k for machine 0's plan; a driver that spoke and then went silent is not waited
+    for."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -437,7 +451,9 @@ def dry_run_lines(
                 continue
             strategy = run.trial.spec.strategy
             lines.append(
-                f"- {run.name}: {strategy.describe()}" + (" [baseline]" if run.name == recipe.baseline else "")
+                f"- {run.name}: {strategy.describe()}"
+                + (" [baseline]" if run.name == recipe.baseline else "")
+                + (f" [batch: {run.trial.batch}: also as {run.name}-maxbatch]" if run.trial.batch != "fixed" else "")
             )
             lines.append(f"    {_estimate_line(run)}")
             if run.skip_reason:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,10 @@ PID_FILE_ENV = "HFSCALE_PID_FILE"
 """Set in a group's environment when it has a pid file: the file's absolute path. A later sweep that finds the pid
 file checks it in ``/proc/PID/environ`` before ending that group (:func:`end_orphaned_group`), so a reused pid is
 never signalled."""
+GROUP_TAG_ENV = "HFSCALE_GROUP_TAG"
+"""Set in every group's environment: a tag unique to the group, which every process it starts inherits. torchrun
+starts each worker in a session of its own, outside the launcher's process group, so a launcher that dies at once
+(SIGKILL, the OOM killer) leaves its workers training on; :func:`run_process_group` finds them by this tag."""
 
 
 def clean_environment(base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -150,7 +155,7 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
     return _exited(pid)
 
 
-def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
+def _end_group(proc: subprocess.Popen, grace_s: float, tag: str | None = None) -> None:
     """SIGTERM to the group, SIGKILL after ``grace_s``, then :func:`_reap`. Does nothing once reaped."""
     if proc.returncode is not None:
         return
@@ -160,19 +165,38 @@ def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
         if not _wait_exit(pgid, grace_s):
             _signal_group(pgid, signal.SIGKILL)
             _wait_exit(pgid, 30.0)
-    _reap(proc)
+    _reap(proc, tag)
 
 
-def _reap(proc: subprocess.Popen) -> None:
-    """Kill what is left of the exited launcher's group (workers a crashed launcher left behind), wait (10 s at
-    most) until the group has no live process, so that its memory is free, then reap the launcher. The launcher
-    is reaped last: until then its pid, which is the group's id, cannot be given to another process."""
+def _tagged(tag: str | None) -> list[int]:
+    """Live processes whose environment carries :data:`GROUP_TAG_ENV` ``= tag`` (from ``/proc``)."""
+    if not tag or not Path("/proc").is_dir():
+        return []
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and int(entry.name) != os.getpid()
+        and _environ_of(int(entry.name)).get(GROUP_TAG_ENV) == tag
+    ]
+
+
+def _reap(proc: subprocess.Popen, tag: str | None = None) -> None:
+    """Kill what is left of the exited launcher's group (workers a crashed launcher left behind, and processes
+    carrying the group's ``tag`` outside it: torchrun's workers), wait (10 s at most) until none is alive, so that
+    its memory is free, then reap the launcher. The launcher is reaped last: until then its pid, which is the
+    group's id, cannot be given to another process."""
     pgid = proc.pid
     deadline = time.monotonic() + 10.0
     _signal_group(pgid, signal.SIGKILL)
-    while group_members(pgid) and time.monotonic() < deadline:
+    strays = _tagged(tag)
+    while (group_members(pgid) or strays) and time.monotonic() < deadline:
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
         _signal_group(pgid, signal.SIGKILL)
+        strays = [pid for pid in strays if _alive(pid)]
     proc.wait()
 
 
@@ -219,7 +243,8 @@ def run_process_group(
         OSError: when the command cannot be started.
     """
     start = time.monotonic()
-    env = {**env, DRIVER_PID_ENV: str(os.getpid())}
+    tag = uuid.uuid4().hex
+    env = {**env, DRIVER_PID_ENV: str(os.getpid()), GROUP_TAG_ENV: tag}
     if pid_file is not None:
         env[PID_FILE_ENV] = str(Path(pid_file).resolve())
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
@@ -246,20 +271,20 @@ def run_process_group(
             now = time.monotonic()
             if _exited(proc.pid):
                 wall = now - start
-                _reap(proc)
+                _reap(proc, tag)
                 break
             if timeout_s is not None and now - start > timeout_s:
                 logger.info("pid %d: past its %.0f s limit, ending its process group", proc.pid, timeout_s)
                 timed_out = True
                 wall = now - start
-                _end_group(proc, kill_grace_s)
+                _end_group(proc, kill_grace_s, tag)
                 break
             if on_tick is not None and now >= next_tick:
                 on_tick(now - start)
                 next_tick = now + tick_s
             time.sleep(0.1)
     except BaseException:  # KeyboardInterrupt (Ctrl-C, or SIGTERM through the sweep's handler) or a bug: no leak
-        _end_group(proc, kill_grace_s)
+        _end_group(proc, kill_grace_s, tag)
         raise
     finally:
         if pid_file is not None:
@@ -400,6 +425,7 @@ def tail(path: str | os.PathLike[str], *, max_lines: int = 40, max_bytes: int = 
 
 __all__ = [
     "DRIVER_PID_ENV",
+    "GROUP_TAG_ENV",
     "LAUNCHER_ENV_PREFIXES",
     "LAUNCHER_ENV_VARS",
     "PID_FILE_ENV",

@@ -16,11 +16,13 @@ Format (every section but ``trials``/``matrix`` is optional)::
     training_args: {learning_rate: 5.0e-5, logging_steps: 1}   # passed to TrainingArguments
     measure: {warmup_steps: 2, num_epochs: 1, timeout_s: 600}
     run: {memory_limit_gib: 8, env: {OMP_NUM_THREADS: "1"}}     # how each trial's processes are started
+    sweep: {batch: both}             # fixed | max | both: also compare each trial at the largest batch it fits
     baseline: fp32                   # the trial others are compared with (default: the first)
     defaults: {per_device_batch_size: 8}                      # Strategy fields applied to every trial
     trials:                          # Strategy fields, plus optional per-trial `measure:` / `run:` /
       - name: fp32                   # `training_args:` overrides (merged over the recipe's, key by key)
       - {name: lr-too-high, training_args: {learning_rate: 10}}
+      - {name: bf16, precision: bf16, batch: max}                 # this trial at its largest batch only
       - {name: zero2-x2, deepspeed: {zero_stage: 2}, num_processes: 2}
     matrix:                          # the product of the axes, each trial named from its values (zero2-bf16)
       deepspeed.zero_stage: [1, 2]
@@ -37,21 +39,34 @@ import difflib
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from hfscale.batch_search import MAX_BATCH_SUFFIX
 from hfscale.catalog import resolve_recipe
 from hfscale.recipe_checks import (
     OWNED_TRAINING_ARGS,
     REFUSED_TRAINING_ARGS,
     check_folder_name,
+    check_liger,
+    check_lora,
     check_measure,
     check_model,
+    check_tensor_parallel,
     check_training_args,
 )
 from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
-from hfscale.strategy import DeepSpeedSpec, Device, FsdpSpec, Strategy, StrategyError
+from hfscale.strategy import (
+    CompileSpec,
+    DeepSpeedSpec,
+    Device,
+    FsdpSpec,
+    LoraSpec,
+    ParallelismSpec,
+    Strategy,
+    StrategyError,
+)
 from hfscale.validation import Invalid, build, convert, field_types, join_path, reject_unknown, show_value
 
 
@@ -75,6 +90,32 @@ class RunSpec:
             raise ValueError(f"memory_limit_gib: expected a positive number, got {self.memory_limit_gib!r}")
 
 
+BatchMode = Literal["fixed", "max", "both"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """How the sweep compares the trials (a recipe's ``sweep:`` section)."""
+
+    batch: BatchMode = "fixed"
+    """Which per-device batch the strategies are compared at. ``fixed``: each trial's own (the recipe's); the
+    command line's ``--find-max-batch`` still records each trial's largest. ``both``: each trial at its own
+    batch, and again as ``<trial>-maxbatch`` at the largest batch it fits (found by short probe runs), so a
+    strategy that saves memory shows what the memory buys. ``max``: compare at the largest batch only: each trial
+    runs once at its own batch (the search's first probe) and its ``-maxbatch`` row, with the recipe's repeats,
+    is compared; the baseline is the baseline's ``-maxbatch`` row."""
+    max_batch_limit: int | None = None
+    """Largest per-device batch the search tries (``--max-batch-limit`` overrides it). Set it on CPU: without a
+    ``run.memory_limit_gib`` nothing runs out of memory there, and the search would double up to 1024."""
+
+    def __post_init__(self) -> None:
+        if self.batch not in ("fixed", "max", "both"):
+            raise ValueError(f"batch: expected one of 'fixed', 'max', 'both', got {self.batch!r}")
+        limit = self.max_batch_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_batch_limit: expected a positive integer, got {limit!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecipeTrial:
     """One trial of a recipe: what the trial process gets, plus how the sweep starts it."""
@@ -88,6 +129,9 @@ class RecipeTrial:
     follow the sweep's launch."""
     source: str = ""
     """Where the trial comes from in the recipe (``trials[2]``, ``matrix[zero2-bf16]``), for error messages."""
+    batch: BatchMode = "fixed"
+    """Which per-device batch this trial is compared at (see :attr:`SweepOptions.batch`): the recipe's
+    ``sweep.batch`` unless the trial sets its own ``batch:``."""
 
     @property
     def name(self) -> str:
@@ -114,6 +158,8 @@ class Recipe:
     """Warm-up, length, repeats and per-trial timeout."""
     run: RunSpec = field(default_factory=RunSpec)
     """Memory limit and environment of the trial processes."""
+    sweep: SweepOptions = field(default_factory=SweepOptions)
+    """How the trials are compared (the batch size axis)."""
     baseline: str
     """Name of the trial the others are compared with."""
     trials: tuple[RecipeTrial, ...]
@@ -173,9 +219,15 @@ class Recipe:
 # -- trials, defaults and the matrix --------------------------------------------------------------------------
 
 _STRATEGY_FIELDS = [f.name for f in dataclasses.fields(Strategy)]
-_NESTED = {"deepspeed": DeepSpeedSpec, "fsdp": FsdpSpec}
+_NESTED: dict[str, type] = {
+    "deepspeed": DeepSpeedSpec,
+    "fsdp": FsdpSpec,
+    "torch_compile": CompileSpec,
+    "lora": LoraSpec,
+    "parallelism": ParallelismSpec,
+}
 # A trial entry is Strategy fields plus these per-trial overrides; `device` is the recipe's.
-_TRIAL_EXTRAS = ("measure", "run", "training_args")
+_TRIAL_EXTRAS = ("measure", "run", "training_args", "batch")
 _TOP_KEYS = (
     "name",
     "description",
@@ -185,6 +237,7 @@ _TOP_KEYS = (
     "training_args",
     "measure",
     "run",
+    "sweep",
     "baseline",
     "defaults",
     "trials",
@@ -287,6 +340,22 @@ def _label(key: str, value: Any) -> str:
         return f"fsdp{value}"
     if key == "fsdp.cpu_offload":
         return "fsdp-offload" if value else ""
+    if key == "torch_compile":
+        return "compile" + ("" if value.get("backend", "inductor") == "inductor" else f"-{value['backend']}")
+    if key == "torch_compile.backend":
+        return f"compile-{value}"
+    if key == "attn_implementation":
+        return f"attn-{value}"
+    if key == "lora":
+        return ("qlora" if value.get("quantize_base") == "4bit" else "lora") + f"-r{value.get('rank', 8)}"
+    if key == "lora.rank":
+        return f"lora-r{value}"
+    if key == "lora.quantize_base":
+        return "qlora" if value == "4bit" else ""
+    if key == "parallelism":
+        return "-".join(f"{k}{v}" for k, v in value.items() if v != 1) or "mesh1"
+    if key == "data_parallel":
+        return str(value)
     if value is True:
         return key.rsplit(".", 1)[-1]
     return f"{key.rsplit('.', 1)[-1]}{value}"
@@ -357,6 +426,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     run = build(RunSpec, run_raw, "run")
     training_args = convert(dict[str, Any], data.get("training_args") or {}, "training_args")
     training_args = check_training_args(training_args)
+    sweep = build(SweepOptions, data.get("sweep") or {}, "sweep")
 
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
@@ -367,6 +437,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     # (source path, name or None, strategy fields, measure overrides, run overrides, ordered items for naming)
     entries: list[tuple[str, str | None, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[str, Any]]]] = []
     trial_training_args: dict[str, dict[str, Any]] = {}  # per-trial `training_args:` overrides, by source path
+    trial_batch: dict[str, str] = {}  # per-trial `batch:` (fixed | max | both), by source path
     raw_trials = data.get("trials") or []
     if not isinstance(raw_trials, list):
         raise Invalid("trials", f"expected a list of trials, got {show_value(raw_trials)}")
@@ -381,6 +452,8 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         measure_over = raw.pop("measure", None) or {}
         run_over = raw.pop("run", None) or {}
         args_over = raw.pop("training_args", None) or {}
+        if "batch" in raw:
+            trial_batch[path] = convert(BatchMode, raw.pop("batch"), join_path(path, "batch"))
         for key, over in (("measure", measure_over), ("run", run_over), ("training_args", args_over)):
             if not isinstance(over, dict):
                 raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
@@ -400,6 +473,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     for path, trial_name, fields_, measure_over, run_over, items in entries:
         name_ = trial_name or _auto_name(items)
         args_over = trial_training_args.get(path, {})
+        batch = trial_batch.get(path, sweep.batch)
         if path.startswith("matrix"):
             path = f"matrix[{name_}]"
         if name_ in seen:
@@ -408,6 +482,9 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         merged = _merge(defaults, fields_)
         pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
         strategy = build(Strategy, {**merged, "name": name_}, path, device=device)
+        check_tensor_parallel(model, data_spec, strategy, path)  # needs the model: a tp plan
+        check_liger(strategy, model, path)
+        check_lora(strategy, model, path)
         trial_measure = build(MeasureSpec, {**measure_raw, **measure_over}, join_path(path, "measure"))
         run_merged = {**run_raw, **run_over}
         if isinstance(run_raw.get("env"), dict) and isinstance(run_over.get("env"), dict):
@@ -422,12 +499,21 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
             training_args={**training_args, **args_over},
             measure=trial_measure,
         )
-        trials.append(RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path))
+        trials.append(RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch))
 
     baseline = data.get("baseline", trials[0].name)
     convert(str, baseline, "baseline")
     if baseline not in seen:
         raise Invalid("baseline", f"{baseline!r} is not a trial; trials are {', '.join(seen)}")
+    # A trial's max-batch row is named after it: a trial of that name would be two rows of one name.
+    searched = {t.name: t.batch for t in trials if t.batch != "fixed"}
+    for name_ in seen:
+        if name_.endswith(MAX_BATCH_SUFFIX) and name_.removesuffix(MAX_BATCH_SUFFIX) in searched:
+            of = name_.removesuffix(MAX_BATCH_SUFFIX)
+            raise Invalid(
+                seen[name_],
+                f"trial name {name_!r} is the name of {of!r}'s max-batch row (batch: {searched[of]}); rename it",
+            )
     return Recipe(
         name=name,
         description=description,
@@ -437,6 +523,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         training_args=training_args,
         measure=measure,
         run=run,
+        sweep=sweep,
         baseline=baseline,
         trials=tuple(trials),
         path=source,
@@ -482,6 +569,7 @@ __all__ = [
     "RecipeError",
     "RecipeTrial",
     "RunSpec",
+    "SweepOptions",
     "load_recipe",
     "parse_recipe",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import types
 import typing
 from typing import Any, get_args, get_origin
@@ -37,6 +38,11 @@ OWNED_TRAINING_ARGS: dict[str, str] = {
     "max_steps": "the recipe's measure.max_steps",
     "num_train_epochs": "the recipe's measure.num_epochs",
     "output_dir": "the sweep (each trial writes into its own folder)",
+    "torch_compile": "the strategy's torch_compile section",
+    "torch_compile_backend": "the strategy's torch_compile.backend",
+    "torch_compile_mode": "the strategy's torch_compile.mode",
+    "tf32": "the strategy's tf32",
+    "use_liger_kernel": "the strategy's use_liger_kernel",
 }
 
 # TrainingArguments keywords a recipe may not turn on, and why.
@@ -91,10 +97,110 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
                 f"unknown model type {model.type!r}{hint}: expected a transformers model_type (bert, gpt2, llama, ...)",
             ) from exc
         raise Invalid("model.config", str(exc)) from exc
+    if not model.pretrained:
+        check_config_keys(model)
     try:
         check_vocabulary(config, data)
     except ValueError as exc:
         raise Invalid("data.token_high", str(exc)) from exc
+
+
+# Keys transformers 5 still takes and folds into ``rope_parameters`` (configs on the Hub carry them).
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
+
+
+def check_config_keys(model: ModelSpec) -> None:
+    """Refuse a ``model.config`` key the model type's config class does not have.
+
+    transformers keeps any unknown keyword as a plain attribute, so a misspelt ``num_key_value_head`` would build
+    a model with the default number of KV heads and nothing would say so. A key is known when it is a parameter
+    of the config class (or of ``PretrainedConfig``), an alias in its ``attribute_map``, or an attribute of its
+    default instance (``num_labels``).
+
+    Raises:
+        Invalid: at ``model.config.KEY``, naming the config class and the closest valid key.
+    """
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    if model.type not in CONFIG_MAPPING:
+        return
+    cls = CONFIG_MAPPING[model.type]
+    known = {
+        name
+        for klass in (cls, PretrainedConfig)
+        for name, param in inspect.signature(klass.__init__).parameters.items()
+        if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL) and name != "self"
+    }
+    known |= set(getattr(cls, "attribute_map", {})) | _LEGACY_CONFIG_KEYS
+    default = None
+    for key in model.config:
+        if key in known:
+            continue
+        if default is None:
+            default = cls()
+        if hasattr(default, key):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise Invalid(
+            join_path("model.config", key),
+            f"{cls.__name__} has no key {key!r}{hint}; transformers would keep it as an unused attribute",
+        )
+
+
+def check_liger(strategy: Any, model: ModelSpec, path: str) -> None:
+    """Refuse ``use_liger_kernel`` for a model type Liger does not patch (:mod:`hfscale.kernels`): it would log at
+    info level and train the model unpatched."""
+    from hfscale.kernels import check_liger_model_type
+
+    try:
+        check_liger_model_type(strategy, model.type if not model.pretrained else None)
+    except ValueError as exc:
+        raise Invalid(join_path(path, "use_liger_kernel"), str(exc)) from exc
+
+
+def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
+    """Refuse ``lora`` without ``target_modules`` on a model type peft has no default targets for
+    (:func:`hfscale.lora.default_target_modules`): the trial would stop at its start. Skipped without peft (the
+    trial names the extra) and for a ``pretrained`` model (its type is only known from its config)."""
+    lora = getattr(strategy, "lora", None)
+    if lora is None or lora.target_modules is not None or model.pretrained:
+        return
+    from hfscale.lora import default_target_modules
+
+    try:
+        default_target_modules(model.type)
+    except ImportError:
+        return
+    except ValueError as exc:
+        raise Invalid(join_path(join_path(path, "lora"), "target_modules"), str(exc)) from exc
+
+
+def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
+    """Refuse a mesh accelerate would refuse (tensor or context parallel beside replicas alone), and
+    ``parallelism.tp > 1`` for a model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial
+    that asks for it (:func:`hfscale.mesh.tp_plan_problem` says why and which model types have one).
+    Skipped where the config cannot be built here: :func:`check_model` has said why, or the trial will."""
+    from hfscale.mesh import parallelism_config, tensor_parallel, tp_plan_problem
+
+    if strategy.parallelism is not None:
+        try:  # what accelerate refuses in the sizes (tp or cp beside replicas alone), said now
+            parallelism_config(strategy)
+        except ImportError:
+            pass
+        except ValueError as exc:
+            raise Invalid(join_path(path, "parallelism"), f"accelerate refuses this mesh: {exc}") from exc
+    if not tensor_parallel(strategy):
+        return
+    try:
+        from hfscale.model import build_config
+
+        config = build_config(model, data)
+    except (ImportError, OSError, ValueError):
+        return
+    problem = tp_plan_problem(config, strategy)
+    if problem is not None:
+        raise Invalid(join_path(join_path(path, "parallelism"), "tp"), problem)
 
 
 def check_measure(measure: MeasureSpec, path: str) -> None:
@@ -170,6 +276,7 @@ def _training_args_fields() -> dict[str, bool] | None:
 __all__ = [
     "OWNED_TRAINING_ARGS",
     "REFUSED_TRAINING_ARGS",
+    "check_config_keys",
     "check_folder_name",
     "check_measure",
     "check_model",

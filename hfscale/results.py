@@ -126,6 +126,16 @@ class LaunchRecord:
     device_shared_with: list[str] | None = None
     """Another sweep's trials that held this trial's devices while it ran (``HFSCALE_DEVICE_LOCK=share``), or why
     its devices could not be locked; None when it had them to itself."""
+    failed_machine: int | None = None
+    """A trial on several machines that failed: the machine (rank) where it failed first, as
+    :func:`hfscale.sweep_machines.merge_machine_reports` decides; None on one machine or when every machine ended
+    well."""
+    failed_ranks: list[int] | None = None
+    """The global ranks of ``failed_machine`` that failed (its failing rank where stderr names it, else all its
+    ranks)."""
+    machine_dirs: list[str] | None = None
+    """A trial on several machines: every other machine's log folder of this run (relative to the run folder when
+    that machine writes into it, else the path on that machine)."""
 
 
 @dataclass(kw_only=True)
@@ -222,6 +232,25 @@ class TrialResult:
     def key(self) -> tuple[str, int]:
         """What identifies the row within its run: (trial, repeat)."""
         return (self.trial, self.repeat)
+
+    def progress_line(self) -> str:
+        """One line for a finished trial: status, samples/s, peak memory (and the predicted peak), wall time (or the
+        reason it failed)."""
+        parts: list[str] = [self.status]
+        if self.status in ("ok", "not_applied"):
+            sps = self.samples_per_s if self.samples_per_s is not None else self.train_samples_per_second
+            peak, predicted = self.peak_gib, self.predicted_gib
+            parts.append(f"{sps:.2f} samples/s" if sps is not None else "samples/s n/a")
+            parts.append(
+                (f"peak {peak:.2f} GiB" if peak is not None else "peak n/a")
+                + (f" (predicted {predicted:.2f})" if predicted is not None else "")
+            )
+        if self.wall_time_s is not None:
+            parts.append(f"{self.wall_time_s:.1f} s")
+        line = "  ".join(parts)
+        if self.status != "ok" and self.reason:
+            line += f"  ({self.reason})"
+        return line
 
     def to_json(self) -> dict[str, Any]:
         return row_to_json(self)

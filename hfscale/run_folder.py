@@ -18,6 +18,9 @@ This module is the one place that knows the layout::
       trials/NAME/tmp/     the running group's TMPDIR (removed when it ends); launcher-logs/: what torchrun left
                            there with content (its per-rank error files)
       .lock                held (flock) while a sweep writes the folder; the kernel releases it when that process dies
+      machines/            a sweep on several machines (hfscale.sweep_machines): sweep-id (the id by which machine K
+                           finds this folder on a shared filesystem), machine-K.json (each machine's environment)
+                           and machine-K/trials/NAME/ (machine K's configs and logs of its part of each trial)
       report.md ...        written at the end (hfscale.report)
 
 Measuring (the trial), storing (this module) and rendering (the report) stay apart: the report reads only what is
@@ -57,6 +60,10 @@ STDERR_FILE = "stderr.log"
 PID_FILE = "pid"
 TRIAL_TMP_DIR = "tmp"
 LAUNCHER_LOGS_DIR = "launcher-logs"
+MACHINES_DIR = "machines"
+"""Per machine of a sweep on several machines: its logs (``machine-K/``) and its environment record
+(``machine-K.json``, written by :func:`hfscale.environment.write_machine_environment`)."""
+SWEEP_ID_FILE = "sweep-id"
 _WRITE_CHECK_FILE = ".write-check"
 LOW_SPACE_BYTES = 256 * 2**20
 """Less free space than this in a run folder's filesystem is worth a warning before the first trial."""
@@ -188,6 +195,16 @@ class RunFolder:
 
     def probe_dir(self, trial: str, batch_size: int) -> Path:
         return self.trial_dir(trial) / PROBES_DIR / f"bs{batch_size}"
+
+    def machine_dir(self, machine_rank: int) -> Path:
+        """``machines/machine-K``: machine K's configs and logs of its part of each trial (laid out as a run folder)."""
+        return self.path / MACHINES_DIR / f"machine-{machine_rank}"
+
+    @property
+    def sweep_id_path(self) -> Path:
+        """``machines/sweep-id``: machine 0's id of a sweep on several machines, by which machine K, reading the same
+        id there, knows it sees this folder (a shared filesystem)."""
+        return self.path / MACHINES_DIR / SWEEP_ID_FILE
 
     def pid_files(self) -> list[Path]:
         """The pid files of groups that were running (or still run) when their sweep stopped: trials and probes."""
@@ -458,6 +475,7 @@ __all__ = [
     "ENVIRONMENT_FILE",
     "LAUNCHER_LOGS_DIR",
     "LOCK_FILE",
+    "MACHINES_DIR",
     "PID_FILE",
     "PROBES_DIR",
     "RECIPE_FILE",
@@ -466,6 +484,7 @@ __all__ = [
     "SPEC_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
+    "SWEEP_ID_FILE",
     "TRIALS_DIR",
     "TRIAL_TMP_DIR",
     "BadLine",

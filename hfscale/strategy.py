@@ -18,6 +18,9 @@ Optimizer = Literal["adamw_torch", "adamw_torch_fused", "adafactor", "adamw_bnb_
 OffloadDevice = Literal["none", "cpu", "nvme"]
 FsdpSharding = Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
 Device = Literal["cuda", "cpu"]
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flex_attention"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+DataParallel = Literal["ddp", "dp"]
 
 EIGHT_BIT_OPTIMIZERS: frozenset[str] = frozenset({"adamw_bnb_8bit", "paged_adamw_8bit"})
 NON_ADAM_OPTIMIZERS: frozenset[str] = frozenset({"adafactor", "sgd"})
@@ -50,6 +53,12 @@ class DeepSpeedSpec:
     """Where parameters live between uses; ZeRO-3 only."""
     nvme_path: str | None = None
     """Folder for NVMe offload; required when either offload is "nvme"."""
+    partition_activations: bool = False
+    """DeepSpeed activation checkpointing: split each checkpointed activation across the model-parallel ranks.
+    Needs ``strategy.gradient_checkpointing`` (it changes how checkpoints are kept, not whether)."""
+    cpu_checkpointing: bool = False
+    """DeepSpeed activation checkpointing: keep the checkpointed activations in CPU memory between forward and
+    backward. Needs ``strategy.gradient_checkpointing``."""
 
     def __post_init__(self) -> None:
         _check_choice("deepspeed", "zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -65,6 +74,9 @@ class DeepSpeedSpec:
                 f"deepspeed.offload_optimizer={self.offload_optimizer!r} needs deepspeed.zero_stage 1, 2 or 3, "
                 "got 0: ZeRO-Offload moves the partitioned optimizer states, and stage 0 partitions none"
             )
+        for name in ("partition_activations", "cpu_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise StrategyError(f"deepspeed.{name}: expected true or false, got {getattr(self, name)!r}")
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
         if uses_nvme and not self.nvme_path:
             raise StrategyError("deepspeed.nvme_path is required when an offload device is 'nvme'")
@@ -113,6 +125,87 @@ class FsdpSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompileSpec:
+    """``torch.compile`` of the model, as the Trainer's ``torch_compile*`` arguments take it."""
+
+    backend: str = "inductor"
+    """A ``torch._dynamo`` backend name (``inductor``; ``aot_eager`` and ``eager`` trace without generating
+    kernels, which keeps a CPU test fast)."""
+    mode: CompileMode = "default"
+    """inductor's mode: ``reduce-overhead`` adds CUDA graphs, ``max-autotune`` searches kernels (long compile)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise StrategyError(f"torch_compile.backend: expected a dynamo backend name, got {self.backend!r}")
+        _check_choice("torch_compile", "mode", self.mode, get_args(CompileMode))
+        if self.mode != "default" and self.backend != "inductor":
+            raise StrategyError(
+                f"torch_compile.mode={self.mode!r} with torch_compile.backend={self.backend!r}: modes are "
+                "inductor's; other backends ignore them"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """LoRA adapters through ``peft``; with ``quantize_base: 4bit`` the frozen base weights are stored in 4 bits
+    by bitsandbytes (QLoRA)."""
+
+    rank: int = 8
+    """Rank ``r`` of each adapter's two low-rank matrices."""
+    alpha: int = 16
+    """Scaling numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: tuple[str, ...] | None = None
+    """Module names (suffixes) that get adapters; None takes peft's default for the model type."""
+    quantize_base: Literal["none", "4bit"] = "none"
+    """``4bit``: the base model's Linear weights stored as NF4 (QLoRA)."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("lora", "rank", self.rank)
+        _check_positive_int("lora", "alpha", self.alpha)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise StrategyError(f"lora.dropout: expected a number in [0, 1), got {self.dropout!r}")
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, list):
+                object.__setattr__(self, "target_modules", tuple(self.target_modules))
+            if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+                raise StrategyError(
+                    f"lora.target_modules: expected a non-empty list of module names, got {self.target_modules!r}"
+                )
+        _check_choice("lora", "quantize_base", self.quantize_base, ("none", "4bit"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismSpec:
+    """A device mesh through accelerate's ``ParallelismConfig``: data parallel replicated x sharded, tensor,
+    context and (DeepSpeed) sequence parallel. The sizes multiply to the process count."""
+
+    dp_replicate: int = 1
+    """Replicas of the model (DDP-like; across machines under HSDP)."""
+    dp_shard: int = 1
+    """Ranks each replica's parameters are sharded over (FSDP2)."""
+    tp: int = 1
+    """Ranks each Linear weight is split over (the model's tensor-parallel plan)."""
+    cp: int = 1
+    """Ranks the sequence is split over in attention (context parallel, FSDP2)."""
+    sp: int = 1
+    """Ranks the sequence is split over by DeepSpeed's Ulysses sequence parallel."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+            _check_positive_int("parallelism", name, getattr(self, name))
+
+    @property
+    def size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.sp
+
+    def mesh(self) -> dict[str, int]:
+        """The dimensions wider than one, name -> size (what a verification compares with)."""
+        return {n: getattr(self, n) for n in ("dp_replicate", "dp_shard", "tp", "cp", "sp") if getattr(self, n) > 1}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Strategy:
     """One way of training a model: the unit a sweep compares.
 
@@ -144,12 +237,34 @@ class Strategy:
     """Processes in all, across every machine (accelerate's ``num_processes``)."""
     num_machines: int = 1
     """Machines taking part (accelerate's ``num_machines``)."""
+    torch_compile: CompileSpec | None = None
+    """Compile the model with ``torch.compile``; the first steps pay the compilation (reported apart)."""
+    attn_implementation: AttnImplementation | None = None
+    """Attention kernel the model is built with; None keeps transformers' default (``sdpa`` where available).
+    ``eager`` materialises the seq x seq scores, which the memory estimate counts."""
+    tf32: bool = False
+    """Let fp32 matmuls run on TF32 tensor cores (Ampere or newer); MFU then divides by the TF32 peak."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters only (peft), optionally on a 4-bit base (QLoRA)."""
+    activation_offload: bool = False
+    """Keep the activations saved for backward in CPU memory during forward (torch saved-tensor hooks)."""
+    use_liger_kernel: bool = False
+    """Replace the model's norm, MLP and loss modules with Liger's Triton kernels (the Trainer's
+    ``use_liger_kernel``); CUDA only, for the model types Liger supports."""
+    data_parallel: DataParallel = "ddp"
+    """How several GPUs of one machine train one model: ``ddp``, one process per GPU under a launcher, or
+    ``dp``, one process driving ``num_processes`` GPUs through ``nn.DataParallel`` (what a plain ``python
+    train.py`` on a multi-GPU machine gets from the Trainer). Under ``dp``, ``num_processes`` counts GPUs."""
+    parallelism: ParallelismSpec | None = None
+    """A device mesh (tensor, context, sequence parallel, HSDP) through accelerate's ``ParallelismConfig``."""
 
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_sharding()
         self._check_device()
         self._check_optimizer()
+        self._check_techniques()
+        self._check_parallelism()
 
     def _check_fields(self) -> None:
         if not self.name or any(not (c.isalnum() or c in "-_.") for c in self.name) or not self.name.strip("."):
@@ -234,20 +349,121 @@ class Strategy:
                 "other optimizers; drop the offload or use 'adamw_torch'"
             )
 
+    def _check_techniques(self) -> None:
+        if self.attn_implementation is not None:
+            _check_choice("strategy", "attn_implementation", self.attn_implementation, get_args(AttnImplementation))
+        for name in ("tf32", "activation_offload", "use_liger_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise StrategyError(f"strategy.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.device == "cpu":
+            for name, why in (
+                ("tf32", "TF32 is a mode of NVIDIA tensor cores (the Trainer refuses tf32 without CUDA)"),
+                ("use_liger_kernel", "Liger's kernels are Triton GPU kernels"),
+            ):
+                if getattr(self, name):
+                    raise StrategyError(f"strategy.{name}=True with strategy.device='cpu': {why}; drop it")
+            if self.attn_implementation == "flash_attention_2":
+                raise StrategyError(
+                    "strategy.attn_implementation='flash_attention_2' with strategy.device='cpu': FlashAttention "
+                    "kernels run on CUDA only; use 'sdpa' or 'eager'"
+                )
+        if self.tf32 and self.precision == "fp16":
+            raise StrategyError(
+                "strategy.tf32=True with strategy.precision='fp16': fp16 autocast runs the matmuls in half "
+                "precision, so TF32 would change nothing measurable; use tf32 with 'fp32' (or 'bf16')"
+            )
+        if self.attn_implementation == "flash_attention_2" and self.precision == "fp32":
+            raise StrategyError(
+                "strategy.attn_implementation='flash_attention_2' with strategy.precision='fp32': FlashAttention "
+                "takes fp16/bf16 inputs only; use precision 'bf16' or attention 'sdpa'"
+            )
+        ds = self.deepspeed
+        if ds is not None and (ds.partition_activations or ds.cpu_checkpointing) and not self.gradient_checkpointing:
+            raise StrategyError(
+                "deepspeed.partition_activations/cpu_checkpointing need strategy.gradient_checkpointing=True: they "
+                "say how DeepSpeed keeps checkpointed activations, and without checkpointing there are none"
+            )
+        if self.activation_offload and self.data_parallel == "dp":
+            raise StrategyError(
+                "strategy.activation_offload=True with strategy.data_parallel='dp': saved-tensor hooks are "
+                "thread-local and nn.DataParallel runs each replica in its own thread; use 'ddp'"
+            )
+        if ds is not None and ds.cpu_checkpointing and not ds.partition_activations and self.device == "cpu":
+            raise StrategyError(
+                "deepspeed.cpu_checkpointing without deepspeed.partition_activations on strategy.device='cpu': "
+                "DeepSpeed 0.19.8's copy to the CPU is a no-op there and it then empties the input it meant to "
+                "keep (measured); add partition_activations (on one model-parallel rank it keeps the whole input)"
+            )
+        if self.lora is not None and self.lora.quantize_base == "4bit" and (ds is not None or self.fsdp is not None):
+            raise StrategyError(
+                "lora.quantize_base='4bit' with strategy.deepspeed/fsdp: sharding 4-bit base weights needs a "
+                "quantised storage type hfscale does not set up; train QLoRA with plain DDP or one process"
+            )
+
+    def _check_parallelism(self) -> None:
+        _check_choice("strategy", "data_parallel", self.data_parallel, get_args(DataParallel))
+        if self.data_parallel == "dp":
+            if self.device != "cuda":
+                raise StrategyError(
+                    "strategy.data_parallel='dp' with strategy.device='cpu': nn.DataParallel splits a batch over "
+                    "several GPUs of one process; on CPU use 'ddp'"
+                )
+            if self.deepspeed is not None or self.fsdp is not None or self.parallelism is not None:
+                raise StrategyError(
+                    "strategy.data_parallel='dp' with deepspeed/fsdp/parallelism: those engines run one process per "
+                    "device; nn.DataParallel is the single-process alternative to DDP only"
+                )
+            if self.num_machines != 1 or self.num_processes < 2:
+                raise StrategyError(
+                    f"strategy.data_parallel='dp' needs strategy.num_processes >= 2 GPUs on num_machines=1, got "
+                    f"{self.num_processes} on {self.num_machines}: it is one process driving several GPUs"
+                )
+        p = self.parallelism
+        if p is None:
+            return
+        if p.size != self.num_processes:
+            raise StrategyError(
+                f"parallelism: dp_replicate x dp_shard x tp x cp x sp = {p.dp_replicate} x {p.dp_shard} x {p.tp} x "
+                f"{p.cp} x {p.sp} = {p.size}, but strategy.num_processes={self.num_processes}: the mesh must cover "
+                "every process exactly once"
+            )
+        if p.sp > 1 and self.deepspeed is None:
+            raise StrategyError(
+                "parallelism.sp > 1 needs strategy.deepspeed: sequence parallel here is DeepSpeed's Ulysses"
+            )
+        if (p.dp_shard > 1 or p.cp > 1) and (self.fsdp is None or self.fsdp.version != 2):
+            raise StrategyError(
+                "parallelism.dp_shard/cp > 1 need strategy.fsdp with version 2: accelerate shards and splits the "
+                "context over the mesh with FSDP2 only"
+            )
+
     # -- derived views -------------------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
-        return self.num_processes
+        """Processes in the process group: one under ``data_parallel='dp'``, else :attr:`num_processes`."""
+        return 1 if self.data_parallel == "dp" else self.num_processes
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step across every process."""
-        return self.per_device_batch_size * self.gradient_accumulation_steps * self.num_processes
+        """Samples per optimizer step across every process. The ranks of one tensor, context or sequence parallel
+        group train on the same samples, so they count once (``num_processes / (tp x cp x sp)`` batches)."""
+        p = self.parallelism
+        shared = p.tp * p.cp * p.sp if p is not None else 1
+        return self.per_device_batch_size * self.gradient_accumulation_steps * self.num_processes // shared
 
     @property
     def distributed(self) -> bool:
-        return self.num_processes > 1
+        """Whether several processes train (a launcher is needed); ``dp`` runs in one."""
+        return self.world_size > 1
+
+    @property
+    def ds_activation_checkpointing(self) -> list[str]:
+        """The DeepSpeed activation-checkpointing options turned on (empty without DeepSpeed)."""
+        ds = self.deepspeed
+        if ds is None:
+            return []
+        return [n for n in ("partition_activations", "cpu_checkpointing") if getattr(ds, n)]
 
     @property
     def resolved_optimizer(self) -> str:
@@ -276,11 +492,34 @@ class Strategy:
         elif self.fsdp is not None:
             f = self.fsdp
             parts.append(f"FSDP{f.version} {f.sharding}" + (" cpu-offload" if f.cpu_offload else ""))
-        elif self.distributed:
+        elif self.distributed and (self.parallelism is None or self.parallelism.tp == 1):  # tp runs unwrapped
             parts.append("DDP")
+        elif self.data_parallel == "dp":
+            parts.append(f"DataParallel x {self.num_processes} GPU")
+        if self.parallelism is not None:
+            mesh = self.parallelism.mesh()
+            parts.append("mesh " + (" x ".join(f"{k} {v}" for k, v in mesh.items()) or "1"))
+        if self.ds_activation_checkpointing:
+            parts.append("DS act-ckpt(" + ", ".join(self.ds_activation_checkpointing) + ")")
+        if self.attn_implementation is not None:
+            parts.append(f"attn {self.attn_implementation}")
+        if self.torch_compile is not None:
+            c = self.torch_compile
+            parts.append(f"compile {c.backend}" + (f"/{c.mode}" if c.mode != "default" else ""))
+        if self.tf32:
+            parts.append("tf32")
+        if self.use_liger_kernel:
+            parts.append("liger")
+        if self.activation_offload:
+            parts.append("act-offload")
+        if self.lora is not None:
+            q = "Q" if self.lora.quantize_base == "4bit" else ""
+            parts.append(f"{q}LoRA r{self.lora.rank}")
         batch = f"bs {self.per_device_batch_size} x acc {self.gradient_accumulation_steps}"
         if self.num_processes > 1:
             batch += f" x {self.num_processes} proc"
+        if self.num_machines > 1:
+            batch += f" on {self.num_machines} machines"
         parts.append(batch)
         return ", ".join(parts)
 
@@ -292,12 +531,16 @@ class Strategy:
         """Inverse of :meth:`to_dict`. Unknown keys are rejected by name (recipes go through ``hfscale.recipe``)."""
         data = dict(data)
         _reject_unknown("strategy", data, cls)
-        if isinstance(data.get("deepspeed"), dict):
-            _reject_unknown("deepspeed", data["deepspeed"], DeepSpeedSpec)
-            data["deepspeed"] = DeepSpeedSpec(**data["deepspeed"])
-        if isinstance(data.get("fsdp"), dict):
-            _reject_unknown("fsdp", data["fsdp"], FsdpSpec)
-            data["fsdp"] = FsdpSpec(**data["fsdp"])
+        for key, spec_cls in (
+            ("deepspeed", DeepSpeedSpec),
+            ("fsdp", FsdpSpec),
+            ("torch_compile", CompileSpec),
+            ("lora", LoraSpec),
+            ("parallelism", ParallelismSpec),
+        ):
+            if isinstance(data.get(key), dict):
+                _reject_unknown(key, data[key], spec_cls)
+                data[key] = spec_cls(**data[key])
         return cls(**data)
 
     def replace(self, **changes: Any) -> Strategy:
@@ -344,8 +587,11 @@ def _reject_unknown(owner: str, data: dict[str, Any], cls: type) -> None:
 __all__ = [
     "EIGHT_BIT_OPTIMIZERS",
     "NON_ADAM_OPTIMIZERS",
+    "CompileSpec",
     "DeepSpeedSpec",
     "FsdpSpec",
+    "LoraSpec",
+    "ParallelismSpec",
     "Strategy",
     "StrategyError",
     "default_optimizer",

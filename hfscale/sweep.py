@@ -9,7 +9,9 @@ Three ways to start it, the same program::
 Under a launcher, one process per machine (local rank 0) is the *driver*; the other ranks exit at once (status
 0). The driver launches each trial as its own process group (:mod:`hfscale.launch`); a trial that does not pin
 ``num_processes``/``num_machines`` in the recipe gets the outer launch's counts (or ``--num-processes``/
-``--num-machines``).
+``--num-machines``). On several machines each runs a driver (``--machine-rank K``, or an outer launch across
+machines): machine 0's plans, writes the rows and the report; the others follow its plan
+(:mod:`hfscale.sweep_machines`).
 
 A failed trial is a row, not the end of the sweep: ``oom``, ``crashed`` (exit code or signal), ``timeout`` (the
 whole group is killed), ``not_applied`` (the trial ran something other than its strategy), ``skipped`` (a missing
@@ -38,7 +40,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,8 +48,14 @@ from typing import Any
 from hfscale.batch_search import (
     BatchSearchRecord,
     ProbeOutcome,
+    batch_settings,
+    comparison_baseline,
+    fixed_batch_trials,
+    mark_max_batch,
+    max_batch_runs,
     search_key,
     search_trial,
+    searched,
     why_not_searched,
 )
 from hfscale.device_lock import DeviceBusyError
@@ -66,6 +74,7 @@ from hfscale.recipe import Recipe, RecipeTrial, load_recipe
 from hfscale.results import TrialResult
 from hfscale.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
 from hfscale.spec import TrialSpec
+from hfscale.sweep_machines import Coordinator, lead_run, write_received_environments
 
 logger = logging.getLogger(__name__)
 
@@ -109,26 +118,6 @@ class SweepOutcome:
     """Batch searches that raised (their trials' rows are kept without a search; ``--resume`` runs them again)."""
 
 
-def format_row(row: TrialResult) -> str:
-    """One line for a finished trial: status, samples/s, peak memory (and the predicted peak), wall time (or the
-    reason it failed)."""
-    parts: list[str] = [row.status]
-    if row.status in ("ok", "not_applied"):
-        sps = row.samples_per_s if row.samples_per_s is not None else row.train_samples_per_second
-        peak, predicted = row.peak_gib, row.predicted_gib
-        parts.append(f"{sps:.2f} samples/s" if sps is not None else "samples/s n/a")
-        parts.append(
-            (f"peak {peak:.2f} GiB" if peak is not None else "peak n/a")
-            + (f" (predicted {predicted:.2f})" if predicted is not None else "")
-        )
-    if row.wall_time_s is not None:
-        parts.append(f"{row.wall_time_s:.1f} s")
-    line = "  ".join(parts)
-    if row.status != "ok" and row.reason:
-        line += f"  ({row.reason})"
-    return line
-
-
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -158,6 +147,11 @@ class Sweep:
     """Searched trials by :func:`hfscale.batch_search.search_key`: trials that differ only in their batch size
     have the same largest batch, searched once."""
     search_errors: list[str] = field(default_factory=list)
+    coordinator: Coordinator | None = None
+    """Machine 0's end of the drivers' channel (:mod:`hfscale.sweep_machines`) while a sweep on several machines
+    runs."""
+    across: set[int] = field(default_factory=set)
+    """Indices of the runs on several machines published to the other machines' drivers."""
 
     @property
     def records(self) -> bool:
@@ -168,19 +162,12 @@ class Sweep:
         gpu_count = int(self.environment.get("gpu_count") or 0)
         machines = self.settings.num_machines or self.launch.num_machines
         runs = plan_runs(self.trials, gpu_count=gpu_count, num_machines=machines, only=self.settings.only)
-        # Every machine estimates and skips alike: a trial machine 0 skips must not be started on the others.
-        runs = estimate_runs(runs, budget_bytes=self.budget_bytes, skip_predicted_oom=self.settings.skip_predicted_oom)
-        if self.launch.machine_rank > 0:
-            runs = [
-                r
-                for r in runs
-                if self.launch.machine_rank < r.trial.spec.strategy.num_machines and r.skip_reason is None
-            ]
-        return runs
+        # The other machines follow this plan as machine 0 publishes it (hfscale.sweep_machines), never their own.
+        return estimate_runs(runs, budget_bytes=self.budget_bytes, skip_predicted_oom=self.settings.skip_predicted_oom)
 
     def _needs_search(self, run: PlannedRun, row: TrialResult | None) -> bool:
         return (
-            self.settings.find_max_batch
+            searched(run.trial, self.settings)
             and self.records
             and run.repeat == 0
             and row is not None
@@ -210,6 +197,69 @@ class Sweep:
             + (f", {len(todo) - launches} batch searches to finish" if len(todo) > launches else "")
             + f"; run folder {self.folder.path}"
         )
+        if self.launch.num_machines > 1:
+            self._lead([r for r in todo if r.key not in self.stored])
+        try:
+            self._run_all(runs, todo)
+        finally:
+            if self.coordinator is not None:
+                write_received_environments(self.coordinator, self.folder.path)  # machines without a shared disk
+                self.coordinator.close()
+                self.coordinator = None
+        return list(self.appended.values())
+
+    def _lead(self, todo: list[PlannedRun]) -> None:
+        """Machine 0 of several: serve the drivers' channel and publish the plan the other machines follow (the
+        runs on several machines still to do, in order, each with its trial's spec), so that machine k launches
+        exactly what machine 0 launches, on a resume too. The plan's id goes into ``RUN/machines/sweep-id``, by
+        which a machine that shares the filesystem finds this run folder (and keeps its logs in it)."""
+        import socket
+        import uuid
+
+        from hfscale.sweep_machines import Coordinator, check_port_block, coordination_port
+
+        sweep_id = uuid.uuid4().hex
+        try:
+            self.folder.sweep_id_path.parent.mkdir(exist_ok=True)
+            self.folder.sweep_id_path.write_text(sweep_id + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise RunFolderWriteError(Path(exc.filename) if exc.filename else self.folder.path, exc) from exc
+        port = coordination_port(self.launch.master_port or 29500, outer_launch=self.launch.launched)
+        try:
+            self.coordinator = Coordinator(port)
+        except OSError as exc:
+            raise SweepError(
+                f"machine 0: cannot serve the other machines' drivers on port {port} ({exc}); choose another "
+                "--main-process-port (the same on every machine)"
+            ) from exc
+        spans = [r for r in todo if r.trial.spec.strategy.num_machines > 1 and r.skip_reason is None]
+        self.across = {r.index for r in spans}
+        check_port_block([r.index for r in spans], port)
+        self.coordinator.publish(
+            "plan",
+            {
+                "sweep_id": sweep_id,
+                "host": socket.gethostname(),
+                "run_dir": str(self.folder.path.resolve()),
+                "recipe": self.recipe.name,
+                "settings": self.settings.to_dict(),
+                "runs": [
+                    {
+                        "index": r.index,
+                        "repeat": r.repeat,
+                        "spec": r.trial.spec.to_dict(),
+                        "run": dataclasses.asdict(r.trial.run),
+                    }
+                    for r in spans
+                ],
+            },
+        )
+        self.progress(
+            f"machine 0 of {self.launch.num_machines}: {len(spans)} runs on several machines; the other machines' "
+            f"drivers follow on port {port}"
+        )
+
+    def _run_all(self, runs: list[PlannedRun], todo: list[PlannedRun]) -> None:
         start = time.monotonic()
         failed_before: dict[str, str] = {}
         for k, run in enumerate(todo, 1):
@@ -223,6 +273,10 @@ class Sweep:
                     failed_before[run.name] = f"repeat {run.repeat + 1} ended {row.status}; not repeated"
             if self._needs_search(run, row):
                 self._search(run, row, prefix)
+        # sweep.batch: both|max: each searched trial again at its largest batch, after every fixed-batch run.
+        for extra in estimate_runs(max_batch_runs(runs, self.stored, self.recipe), budget_bytes=self.budget_bytes):
+            row = self._launch(extra, "[max batch] ", elapsed=time.monotonic() - start)
+            self._append(mark_max_batch(row, extra, self.stored))
         rounds = 0
         while more := self._runs_for_precision(runs, len(runs) + rounds):
             rounds += len(more)
@@ -232,7 +286,6 @@ class Sweep:
             f"sweep {self.recipe.name}: {len(todo)} runs in {_clock(time.monotonic() - start)}; "
             f"results in {self.folder.results_path}"
         )
-        return list(self.appended.values())
 
     def _runs_for_precision(self, runs: list[PlannedRun], index: int) -> list[PlannedRun]:
         """One more run of every trial whose recipe asks for a target precision it has not reached (interleaved
@@ -271,19 +324,32 @@ class Sweep:
             + (f"; skipped: {run.skip_reason}" if run.skip_reason else "")
             + f"  (sweep elapsed {_clock(elapsed)})"
         )
-        row = launch_trial(
+        if self.coordinator is not None and run.trial.spec.strategy.num_machines > 1:
+            row = lead_run(
+                self.coordinator,
+                run,
+                launch_here=lambda: self._launch_here(run, prefix),
+                published=run.index in self.across,
+                baseline=comparison_baseline(self.recipe),
+                wait_s=self.settings.machine_wait_s,
+            )
+        else:
+            row = self._launch_here(run, prefix)
+        self.progress(f"{prefix}{run.name}: {row.progress_line()}")
+        self._append(row)
+        return row
+
+    def _launch_here(self, run: PlannedRun, prefix: str) -> TrialResult:
+        return launch_trial(
             run,
             self.folder,
-            baseline=self.recipe.baseline,
+            baseline=comparison_baseline(self.recipe),
             launch=self.launch,
             settings=self.settings,
             python=self.python,
             on_tick=lambda s: self.progress(f"{prefix}{run.label}: still running, {_clock(s)}"),
             progress=lambda line: self.progress(f"{prefix}{run.label}: {line}"),
         )
-        self.progress(f"{prefix}{run.name}: {format_row(row)}")
-        self._append(row)
-        return row
 
     def _append(self, row: TrialResult) -> None:
         """Append the row (machine 0 only), with its loss parity when the baseline's row is in the folder."""
@@ -367,23 +433,10 @@ def _write_report(
         if isinstance(exc, OSError) and not exc.filename:  # a full disk's write() names no file
             return [], f"{type(exc).__name__} writing into {run_dir}: {exc}"
         return [], f"{type(exc).__name__}: {exc}"
-    paths = _paths(written)
+    paths = [written.markdown, written.html, written.csv, *written.figures]
     if paths:
         progress(f"report: {', '.join(str(p) for p in paths)}")
     return paths, None
-
-
-def _paths(value: Any) -> list[Path]:
-    """Every path in what ``write_report`` returned (a dataclass of paths, a mapping, a list, or one path)."""
-    if isinstance(value, str | os.PathLike):
-        return [Path(value)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [p for f in dataclasses.fields(value) for p in _paths(getattr(value, f.name))]
-    if isinstance(value, Mapping):
-        return [p for v in value.values() for p in _paths(v)]
-    if isinstance(value, list | tuple):
-        return [p for v in value for p in _paths(v)]
-    return []
 
 
 def run_sweep(
@@ -426,6 +479,13 @@ def run_sweep(
     from hfscale.environment import collect_environment
 
     launch = launch or LaunchInfo.from_env()
+    if launch.machine_rank > 0:
+        from hfscale.sweep_machines import follow_sweep
+
+        # Another machine's driver follows machine 0's plan: it needs no run folder of its own to plan from.
+        return follow_sweep(
+            launch, out_dir=out_dir, run_dir=run_dir, resume=resume, settings=settings, python=python, progress=progress
+        )
     if resume is not None:
         folder = RunFolder(Path(resume))
         if not folder.recipe_path.exists():
@@ -445,7 +505,9 @@ def run_sweep(
             raise SweepError("give a RECIPE (or --resume RUN_DIR)")
         recipe = load_recipe(recipe_path)
         settings = settings or launch.default_counts(SweepSettings())
+    settings = batch_settings(recipe.sweep, settings)
     trials = recipe.resolve(num_processes=settings.num_processes, num_machines=settings.num_machines)
+    trials = fixed_batch_trials(trials)
     # Read before the run folder exists, so that a sweep that cannot start leaves nothing behind.
     sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
     current = collect_environment(python=python, extra=sweep_info)
@@ -454,11 +516,10 @@ def run_sweep(
         raise SweepError(NO_BUDGET)
 
     if resume is None:
-        suffix = f"-machine{launch.machine_rank}" if launch.machine_rank > 0 else ""
         if run_dir is not None:
-            folder = RunFolder.create_at(Path(f"{run_dir}{suffix}"))
+            folder = RunFolder.create_at(Path(run_dir))
         else:
-            folder = RunFolder.create(out_dir=out_dir, name=recipe.name + suffix)
+            folder = RunFolder.create(out_dir=out_dir, name=recipe.name)
     sweep = Sweep(
         folder=folder,
         recipe=recipe,
@@ -492,6 +553,13 @@ def run_sweep(
                         f"{folder.results_path}:{bad.number}: not a valid row ({bad.error}); moved to "
                         f"{folder.corrupt_path.name}, its trial runs again"
                     )
+            if launch.num_machines > 1:  # every machine's driver records its own (the others: hfscale.sweep_machines)
+                from hfscale.environment import write_machine_environment
+
+                try:
+                    write_machine_environment(folder.path, 0, record=current)
+                except OSError as exc:
+                    raise RunFolderWriteError(folder.path, exc) from exc
             rows = sweep.run()
     except KeyboardInterrupt as exc:
         raise SweepInterrupted(folder.path) from exc
@@ -526,7 +594,6 @@ __all__ = [
     "SweepOutcome",
     "SweepSettings",
     "SweepStopped",
-    "format_row",
     "memory_budget",
     "run_sweep",
 ]

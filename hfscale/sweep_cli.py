@@ -72,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
             if meta["metavar"]:
                 options["metavar"] = meta["metavar"]
         groups[meta["group"]].add_argument(meta["flag"], **options)
+    machines = parser.add_argument_group(
+        "several machines",
+        "one driver per machine, each started with the same command and its own --machine-rank (hfscale slurm "
+        "writes them); machine 0 writes the rows and the report",
+    )
+    machines.add_argument("--machine-rank", type=int, metavar="K", help="this machine's rank, 0 to --num-machines - 1")
+    machines.add_argument("--main-process-ip", metavar="HOST", help="machine 0's address, the same on every machine")
+    machines.add_argument(
+        "--main-process-port",
+        type=int,
+        default=29500,
+        metavar="PORT",
+        help="machine 0's port for the drivers; trial i rendezvouses on PORT + 1 + i (default %(default)s)",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not write report.md/report.html at the end")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
@@ -85,6 +99,34 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
     """
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepSettings)}
     return SweepSettings(**{**values, "only": tuple(values["only"])})
+
+
+def machine_launch(args: argparse.Namespace, given: SweepSettings, launch: LaunchInfo) -> LaunchInfo:
+    """This driver's place among several machines from ``--machine-rank``/``--main-process-ip`` (a driver started
+    directly, one per machine); ``launch`` unchanged when neither is given.
+
+    Raises:
+        ValueError: naming the flag, when the place is incomplete or out of range, or also set by an outer launch.
+    """
+    if args.machine_rank is None and args.main_process_ip is None:
+        return launch
+    if launch.launched:
+        raise ValueError(
+            "--machine-rank/--main-process-ip: this driver was started by accelerate launch/torchrun, which sets its "
+            "machine rank; start the driver directly on each machine (python -m hfscale.sweep ... --machine-rank K)"
+        )
+    if args.machine_rank is None or args.main_process_ip is None or given.num_machines is None:
+        raise ValueError("several machines need --num-machines N, --machine-rank K and --main-process-ip HOST together")
+    if not 0 <= args.machine_rank < given.num_machines:
+        raise ValueError(f"--machine-rank {args.machine_rank} is out of range for --num-machines {given.num_machines}")
+    if not 1024 <= args.main_process_port <= 65535 - 1024:
+        raise ValueError(f"--main-process-port must be between 1024 and 64511, got {args.main_process_port}")
+    return LaunchInfo(
+        machine_rank=args.machine_rank,
+        num_machines=given.num_machines,
+        master_addr=args.main_process_ip,
+        master_port=args.main_process_port,
+    )
 
 
 def _print(line: str) -> None:
@@ -121,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         flag = SweepSettings.__dataclass_fields__[exc.setting].metadata["flag"]
         print(f"hfscale sweep: error: {flag} {exc.problem}", file=sys.stderr)
+        return 2
+    try:
+        launch = machine_launch(args, given, launch)
+    except ValueError as exc:
+        print(f"hfscale sweep: error: {exc}", file=sys.stderr)
         return 2
     # A resumed run keeps its recorded counts; only a new run takes the outer launch's.
     settings = given if args.resume else launch.default_counts(given)
@@ -168,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print("interrupted before any trial started")
         return INTERRUPTED_EXIT
+    if launch.machine_rank > 0:
+        _print(f"done: machine {launch.machine_rank}'s part; its logs are in {outcome.run_dir}, the rows on machine 0")
+        return 0
     failed = [r for r in outcome.rows if r.status != "ok"]
     _print(f"done: {outcome.run_dir} ({len(outcome.rows) - len(failed)} ok, {len(failed)} not ok)")
     for error in outcome.search_errors:

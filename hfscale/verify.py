@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from hfscale import activation_offload, kernels, lora, mesh, multi_machine
 from hfscale.measurements import VerificationRecord, Wrapper
 from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, FsdpSharding, Strategy
 
@@ -101,7 +102,9 @@ class LinearDtypeProbe:
         self.output_dtype: str | None = None
         self._handle: Any = None
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear):
+            # bitsandbytes' Linear4bit (QLoRA's base) computes in its compute dtype but casts its output back to
+            # the input's dtype, so it cannot show autocast: the next Linear (a LoRA adapter's) is observed instead.
+            if isinstance(module, torch.nn.Linear) and type(module).__name__ != "Linear4bit":
                 self.layer_name = name
                 self._handle = module.register_forward_hook(self._hook)
                 break
@@ -114,7 +117,8 @@ class LinearDtypeProbe:
         if not module.training or not isinstance(output, torch.Tensor):
             return
         self.output_dtype = str(output.dtype).removeprefix("torch.")
-        self.remove()
+        if not torch.compiler.is_compiling():  # unhooking inside a traced region breaks the compiled graph
+            self.remove()
 
     def remove(self) -> None:
         """Unhook (also done by the first observation)."""
@@ -129,10 +133,12 @@ def _qualname(obj: Any) -> str:
 
 
 def _wrapper_kind(model: Any) -> Wrapper:
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return "DDP"
+    if isinstance(model, DataParallel):  # one process driving several GPUs (strategy.data_parallel "dp")
+        return "DataParallel"
     if type(model).__name__ == "DeepSpeedEngine":  # no deepspeed import where it is not installed
         return "DeepSpeedEngine"
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -301,6 +307,7 @@ def collect(
     *,
     params_total: int | None = None,
     samples_per_step: int | None = None,
+    attention_probe: kernels.AttentionProbe | None = None,
 ) -> VerificationRecord:
     """Read what ran from a Trainer after ``train()``.
 
@@ -314,13 +321,15 @@ def collect(
             (``ds_numel``, the DTensor's global size). None counts after training.
         samples_per_step: samples per optimizer step across ranks as counted in the batches the model received
             (``ThroughputCallback.summary.samples_per_step``); None reads the engine's and the Trainer's batch.
+        attention_probe: the attention probe installed at train begin (:class:`hfscale.kernels.AttentionProbe`);
+            None leaves ``attention_scores_kept`` unread.
     """
     from accelerate.state import AcceleratorState
 
     state = AcceleratorState()
     model_wrapped = trainer.model_wrapped
     model = trainer.model
-    wrapper = _wrapper_kind(model_wrapped)
+    wrapper = _wrapper_kind(kernels.uncompiled(model_wrapped))  # accelerate compiles after wrapping in DDP
     if wrapper == "none":
         # FSDP2 turns the model itself into an FSDPModule; the Trainer may keep model_wrapped as the same object.
         wrapper = _wrapper_kind(model)
@@ -358,6 +367,11 @@ def collect(
         fsdp_cpu_offload=fsdp_offload,
         global_batch_size=samples_per_step,
         gradient_checkpointing=_gradient_checkpointing(model),
+        **activation_offload.collect(trainer),
+        **lora.collect(model),
+        **multi_machine.collect(model, world_size),
+        **mesh.collect(trainer),
+        **kernels.collect(trainer, model, attention_probe),
     )
 
 
@@ -366,6 +380,10 @@ def _expected_wrapper(strategy: Strategy) -> Wrapper:
         return "DeepSpeedEngine"
     if strategy.fsdp is not None:
         return "FSDP2" if strategy.fsdp.version == 2 else "FSDP1"
+    if strategy.data_parallel == "dp":
+        return "DataParallel"
+    if mesh.tensor_parallel(strategy):  # accelerate leaves a tensor-parallel model unwrapped (no DDP)
+        return "none"
     return "DDP" if strategy.distributed else "none"
 
 
@@ -407,8 +425,8 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
     problems: list[str] = []
     asked = strategy.describe()
 
-    if rec.world_size != strategy.num_processes:
-        problems.append(f"{rec.world_size} process(es) ran, {strategy.num_processes} were asked for")
+    if rec.world_size != strategy.world_size:  # one process under data_parallel "dp"
+        problems.append(f"{rec.world_size} process(es) ran, {strategy.world_size} were asked for")
     if rec.device != strategy.device:
         problems.append(f"trained on {rec.device!r}, strategy.device is {strategy.device!r}")
 
@@ -453,7 +471,7 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
         shards = _shard_group_size(strategy)
         if rec.params_local_max > _SHARD_SLACK * rec.params_total / shards:
             problems.append(f"parameters are not sharded: {held}, expected about 1/{shards}")
-    elif rec.sharded:
+    elif rec.sharded and not mesh.tensor_parallel(strategy):  # tp shards Linear weights: mesh.check reads them
         problems.append(f"parameters are sharded ({held}) but {asked!r} keeps them whole on every rank")
 
     expected_mp = _EXPECTED_MIXED_PRECISION[strategy.precision]
@@ -472,6 +490,11 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
         )
 
     problems += _optimizer_problems(strategy, rec)
+    problems += kernels.check(strategy, rec)
+    problems += activation_offload.check(strategy, rec)
+    problems += lora.check(strategy, rec)
+    problems += multi_machine.check(strategy, rec)
+    problems += mesh.check(strategy, rec)
 
     if rec.global_batch_size is not None and rec.global_batch_size != strategy.global_batch_size:
         problems.append(

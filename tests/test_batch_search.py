@@ -167,3 +167,185 @@ def test_trials_that_differ_only_in_their_batch_share_a_search_key():
     assert search_key(trial(base)) == search_key(trial(probe_spec(base, 32, probe_steps=5)))
     other = base.__class__(**{**base.__dict__, "strategy": base.strategy.replace(gradient_checkpointing=True)})
     assert search_key(trial(base)) != search_key(trial(other))
+
+
+# -- batch size as an axis: a recipe's `sweep.batch` -----------------------------------------------------------------
+
+
+def _scripted_sweep(monkeypatch, limits: dict[str, int]) -> list[tuple[str, int, int]]:
+    """Replace the sweep's launches by scripts: a trial's row is ok (10 samples/s per sample of batch) when its
+    per-device batch is within ``limits[trial]``, else oom; a probe of the search fits likewise. Returns the
+    (trial, repeat, batch) of every trial launch, in order (probes are not trials)."""
+    from types import SimpleNamespace
+
+    import hfscale.sweep
+    from hfscale.launch import planned_row
+    from hfscale.measurements import ThroughputSummary
+    from hfscale.results import TrialOutcome
+
+    launched: list[tuple[str, int, int]] = []
+
+    def limit(name: str) -> int:
+        return limits[name.removesuffix("-maxbatch")]
+
+    def launch_trial(run, folder, *, baseline, **_):
+        batch = run.trial.spec.strategy.per_device_batch_size
+        launched.append((run.name, run.repeat, batch))
+        if batch > limit(run.name):
+            return planned_row(run, baseline=baseline, status="oom", reason="CUDA out of memory")
+        times = [batch / (10.0 * batch)] * 4
+        throughput = ThroughputSummary(
+            samples_per_s=10.0 * batch, tokens_per_s=None, step_time_median_s=times[0], step_time_p90_s=None,
+            step_time_mean_s=times[0], measured_steps=4, warmup_steps=1, samples_per_step=batch,
+            tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None, peak_flops_per_s=None,
+            device_name="cpu", step_times_s=times,
+        )  # fmt: skip
+        measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
+        return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
+
+    def launch_group(trial, *args, **kwargs):
+        batch = trial.spec.strategy.per_device_batch_size
+        fits = batch <= limit(trial.name)
+        outcome = ProbeOutcome(status="fits", samples_per_s=10.0 * batch) if fits else ProbeOutcome(status="oom")
+        return SimpleNamespace(as_probe=lambda: outcome)
+
+    monkeypatch.setattr(hfscale.sweep, "launch_trial", launch_trial)
+    monkeypatch.setattr(hfscale.sweep, "launch_group", launch_group)
+    return launched
+
+
+def _axis_recipe(tmp_path, batch: str, **measure) -> str:
+    import yaml
+
+    data = {
+        "device": "cpu",
+        "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},
+        "data": {"num_samples": 32, "seq_len": 16},
+        "measure": {"warmup_steps": 1, **measure},
+        "sweep": {"batch": batch, "max_batch_limit": 64},
+        "defaults": {"per_device_batch_size": 4},
+        "trials": [{"name": "fp32"}, {"name": "ckpt", "gradient_checkpointing": True}],
+    }
+    path = tmp_path / "axis.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_batch_both_adds_a_row_per_strategy_at_the_largest_batch_it_fits(tmp_path, monkeypatch):
+    from hfscale.report.columns import COLUMNS
+    from hfscale.report.trials import group_rows, trial_record
+    from hfscale.run_folder import RunFolder
+    from hfscale.sweep import run_sweep
+
+    launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
+    recipe = _axis_recipe(tmp_path, "both")
+    run_sweep(recipe, run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    assert launched == [("fp32", 0, 4), ("ckpt", 0, 4), ("fp32-maxbatch", 0, 12), ("ckpt-maxbatch", 0, 40)]
+    rows = {r.trial: r for r in RunFolder(tmp_path / "run").rows()}
+    assert set(rows) == {"fp32", "ckpt", "fp32-maxbatch", "ckpt-maxbatch"}
+    for name, limit in (("fp32", 12), ("ckpt", 40)):
+        fixed, best = rows[name], rows[f"{name}-maxbatch"]
+        assert fixed.batch_search.result.max_batch_size == limit and fixed.batch_search.max_batch_of is None
+        assert best.status == "ok" and best.strategy.per_device_batch_size == limit
+        assert best.batch_search.max_batch_of == name and best.samples_per_s == 10.0 * limit
+        assert best.strategy.gradient_checkpointing == fixed.strategy.gradient_checkpointing
+    # The baseline stays the fixed-batch trial; the table says which rows ran another batch and how to read them.
+    assert [r.trial for r in rows.values() if r.is_baseline] == ["fp32"]
+    notes = COLUMNS["notes"].cell
+    records = {name: trial_record(name, group) for name, group in group_rows(list(rows.values()))}
+    assert "ckpt at its largest batch: compare samples/s, not step time or loss" in notes(records["ckpt-maxbatch"])
+    assert "largest batch" not in notes(records["ckpt"])
+    from hfscale.report.coverage import coverage
+
+    assert coverage(RunFolder(tmp_path / "run"), rows).sentence() == "2 of 2 recipe trials have a result."
+
+    # A resumed sweep has nothing left to run: the max-batch rows are there.
+    launched.clear()
+    run_sweep(None, resume=tmp_path / "run", report=False, progress=lambda line: None)
+    assert launched == []
+
+
+def test_batch_max_compares_at_the_largest_batch_only(tmp_path, monkeypatch):
+    from hfscale.run_folder import RunFolder
+    from hfscale.sweep import run_sweep
+
+    launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
+    run_sweep(_axis_recipe(tmp_path, "max", repeats=2), run_dir=tmp_path / "run", report=False)
+    # The fixed batch runs once (the search's first probe); the max-batch rows get the recipe's two runs each.
+    assert launched == [
+        ("fp32", 0, 4), ("ckpt", 0, 4),
+        ("fp32-maxbatch", 0, 12), ("ckpt-maxbatch", 0, 40), ("fp32-maxbatch", 1, 12), ("ckpt-maxbatch", 1, 40),
+    ]  # fmt: skip
+    rows = RunFolder(tmp_path / "run").rows()
+    assert {r.trial for r in rows if r.is_baseline} == {"fp32-maxbatch"}
+
+
+def test_batch_fixed_adds_no_rows_and_find_max_batch_still_only_records_the_search(tmp_path, monkeypatch):
+    from hfscale.plan import SweepSettings
+    from hfscale.run_folder import RunFolder
+    from hfscale.sweep import run_sweep
+
+    launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
+    settings = SweepSettings(find_max_batch=True)
+    run_sweep(_axis_recipe(tmp_path, "fixed"), run_dir=tmp_path / "run", settings=settings, report=False)
+    assert [name for name, _, _ in launched] == ["fp32", "ckpt"]
+    assert all(r.batch_search.searched for r in RunFolder(tmp_path / "run").rows())
+
+
+def test_max_batch_trial_keeps_the_steps_per_epoch_and_the_recipes_repeats():
+    from hfscale.batch_search import BatchSearchRecord, max_batch_trial
+    from hfscale.recipe import RecipeTrial, RunSpec
+
+    trial = RecipeTrial(spec=_spec(4), run=RunSpec(), source="trials[0]")  # 64 samples: 16 steps of 4
+    found = BatchSearchRecord(
+        searched=True, result=BatchSearchResult(max_batch_size=12, first_oom_batch_size=13, probes=())
+    )
+    best = max_batch_trial(trial, found)
+    assert best.name == best.spec.strategy.name == f"{trial.name}-maxbatch"
+    assert best.spec.strategy.per_device_batch_size == 12
+    assert best.spec.data.num_samples == 16 * 12  # 16 steps per epoch at either batch
+    assert best.source == "trials[0] at its largest batch (12)"
+    assert max_batch_trial(trial, None) is None
+    assert max_batch_trial(trial, BatchSearchRecord(searched=False, reason="crashed")) is None
+    none_fits = BatchSearchResult(max_batch_size=None, first_oom_batch_size=1)
+    assert max_batch_trial(trial, BatchSearchRecord(searched=True, result=none_fits)) is None
+
+
+def test_the_recipes_max_batch_limit_applies_unless_the_command_line_gives_one():
+    from hfscale.batch_search import batch_settings
+    from hfscale.plan import SweepSettings
+    from hfscale.recipe import SweepOptions
+
+    both = SweepOptions(batch="both", max_batch_limit=32)
+    assert batch_settings(both, SweepSettings()) == SweepSettings(max_batch_limit=32)
+    assert batch_settings(both, SweepSettings(max_batch_limit=8)) == SweepSettings(max_batch_limit=8)
+    assert batch_settings(SweepOptions(), SweepSettings()) == SweepSettings()
+
+
+def test_a_trial_may_set_its_own_batch_and_only_those_trials_are_searched(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import yaml
+
+    from hfscale.run_folder import RunFolder
+    from hfscale.sweep import run_sweep
+
+    launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
+    data = yaml.safe_load(Path(_axis_recipe(tmp_path, "fixed")).read_text())
+    data["trials"][1]["batch"] = "max"
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(data))
+    run_sweep(str(tmp_path / "own.yaml"), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    assert launched == [("fp32", 0, 4), ("ckpt", 0, 4), ("ckpt-maxbatch", 0, 40)]
+    rows = {r.trial: r for r in RunFolder(tmp_path / "run").rows()}
+    assert rows["fp32"].batch_search is None and rows["ckpt"].batch_search.result.max_batch_size == 40
+    assert rows["fp32"].is_baseline  # the baseline is compared at its own batch
+
+
+def test_a_max_batch_row_of_a_trial_with_a_target_precision_runs_twice(tmp_path, monkeypatch):
+    from hfscale.sweep import run_sweep
+
+    launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
+    recipe = _axis_recipe(tmp_path, "both", target_precision=0.05, max_repeats=3)
+    run_sweep(recipe, run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    maxbatch = [(name, repeat) for name, repeat, _ in launched if name.endswith("-maxbatch")]
+    assert maxbatch == [("fp32-maxbatch", 0), ("ckpt-maxbatch", 0), ("fp32-maxbatch", 1), ("ckpt-maxbatch", 1)]

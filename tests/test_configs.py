@@ -39,7 +39,7 @@ from hfscale.configs import (
     write_configs,
 )
 from hfscale.configs.cli import main as config_main
-from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
+from hfscale.strategy import DeepSpeedSpec, FsdpSpec, ParallelismSpec, Strategy
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("HFSCALE_UPDATE_GOLDEN") == "1"
@@ -123,6 +123,33 @@ CASES: dict[str, Case] = {
     "ddp_2machines": Case(
         Strategy(name="ddp_2machines", precision="bf16", num_processes=8, num_machines=2),
         {"machine_rank": 1, "main_process_ip": "10.0.0.1", "main_process_port": 29500},
+    ),
+    "zero1_ds_act_ckpt_cpu": Case(
+        Strategy(
+            name="zero1_ds_act_ckpt_cpu",
+            device="cpu",
+            gradient_checkpointing=True,
+            deepspeed=DeepSpeedSpec(zero_stage=1, partition_activations=True, cpu_checkpointing=True),
+        )
+    ),
+    "bf16_act_offload": Case(Strategy(name="bf16_act_offload", precision="bf16", activation_offload=True)),
+    # One process driving 2 GPUs through nn.DataParallel: no launcher (distributed_type NO, num_processes 1).
+    "dataparallel_2gpu": Case(
+        Strategy(name="dataparallel_2gpu", precision="bf16", num_processes=2, data_parallel="dp")
+    ),
+    # Tensor parallel over 2 ranks under DDP's launcher: the mesh goes through TrainingArguments, not the YAML.
+    "tp2_2proc_cpu": Case(
+        Strategy(name="tp2_2proc_cpu", device="cpu", num_processes=2, parallelism=ParallelismSpec(tp=2))
+    ),
+    # FSDP2 x tensor parallel (2 x 2): the YAML's parallelism_config section carries the mesh.
+    "fsdp2_tp2_4proc": Case(
+        Strategy(
+            name="fsdp2_tp2_4proc",
+            precision="bf16",
+            num_processes=4,
+            fsdp=FsdpSpec(transformer_layer_cls="LlamaDecoderLayer"),
+            parallelism=ParallelismSpec(dp_shard=2, tp=2),
+        )
     ),
 }
 
@@ -238,14 +265,14 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
     generated = write_configs(s, tmp_path, **case.write)
     loaded = load_config_from_file(str(generated.accelerate_yaml))
     assert isinstance(loaded, ClusterConfig)
-    assert loaded.num_processes == s.num_processes
+    assert loaded.num_processes == s.world_size  # one under data_parallel "dp"
     assert loaded.num_machines == s.num_machines
     assert loaded.machine_rank == case.write.get("machine_rank", 0)
     assert loaded.use_cpu == (s.device == "cpu")
 
     launcher, env = launcher_env(generated.accelerate_yaml, monkeypatch)
     expected_launcher = (
-        "deepspeed" if s.deepspeed else "fsdp" if s.fsdp else "multi_gpu" if s.num_processes > 1 else "simple"
+        "deepspeed" if s.deepspeed else "fsdp" if s.fsdp else "multi_gpu" if s.world_size > 1 else "simple"
     )
     assert launcher == expected_launcher
     if s.deepspeed is None:
@@ -257,7 +284,8 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
         assert env["FSDP_OFFLOAD_PARAMS"] == str(s.fsdp.cpu_offload).lower()
         assert env["FSDP_ACTIVATION_CHECKPOINTING"] == str(s.gradient_checkpointing).lower()
         hybrid = s.fsdp.sharding == "hybrid_shard" and s.fsdp.version == 2
-        assert env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == ("true" if hybrid else None)
+        meshed = hybrid or s.parallelism is not None
+        assert env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == ("true" if meshed else None)
         if hybrid:
             assert int(env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"]) == s.num_machines
             assert int(env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) * s.num_machines == s.num_processes

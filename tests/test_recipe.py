@@ -209,6 +209,38 @@ def test_launch_counts_that_break_a_strategy_name_the_trial(tmp_path):
             {"trials": [], "matrix": {"deepspeed.offload_param": ["cpu"], "deepspeed.zero_stage": [1]}},
             r"x\.yaml: matrix\[param-cpu-zero1\]\.deepspeed: deepspeed\.offload_param='cpu' needs",
         ),
+        # Issue 12: the batch axis, the new strategy sections, and config keys transformers would silently keep.
+        (
+            {"sweep": {"batch": "largest"}},
+            r"x\.yaml: sweep\.batch: expected one of 'fixed', 'max', 'both', got 'largest'$",
+        ),
+        ({"sweep": {"bach": "max"}}, r"x\.yaml: sweep\.bach: unknown key \(did you mean 'batch'\?\)"),
+        (
+            {"trials": [{"name": "a", "batch": "biggest"}]},
+            r"x\.yaml: trials\[0\]\.batch: expected one of 'fixed', 'max', 'both', got 'biggest'$",
+        ),
+        ({"sweep": {"max_batch_limit": 0}}, r"x\.yaml: sweep: max_batch_limit: expected a positive integer, got 0"),
+        (
+            {"sweep": {"batch": "both"}, "trials": [{"name": "a"}, {"name": "a-maxbatch"}]},
+            r"x\.yaml: trials\[1\]: trial name 'a-maxbatch' is the name of 'a''s max-batch row \(batch: both\); rename",
+        ),
+        (
+            {"matrix": {"lora.rnk": [4]}},
+            r"x\.yaml: matrix\.lora\.rnk: unknown key \(did you mean lora\.rank\?\)",
+        ),
+        (
+            {"trials": [{"name": "a", "torch_compile": {"mode": "fast"}}]},
+            r"x\.yaml: trials\[0\]\.torch_compile\.mode: expected one of 'default', 'reduce-overhead'",
+        ),
+        (
+            {"model": {"type": "llama", "task": "causal_lm", "config": {"num_key_value_head": 2}}},
+            r"x\.yaml: model\.config\.num_key_value_head: LlamaConfig has no key 'num_key_value_head' \(did you "
+            r"mean 'num_key_value_heads'\?\)",
+        ),
+        (
+            {"training_args": {"torch_compile": True}},
+            r"x\.yaml: training_args\.torch_compile: set by the strategy's torch_compile section",
+        ),
     ],
 )
 def test_errors_name_the_file_and_the_key_path(tmp_path, changes, message):
@@ -277,3 +309,17 @@ def test_unreadable_recipe_paths_are_recipe_errors(tmp_path: Path) -> None:
 def test_a_seed_that_is_not_an_integer_is_refused_at_load(tmp_path, seed):
     with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.seed: expected an integer"):
         load_recipe(write(tmp_path, with_(training_args={"seed": seed})))
+
+
+def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_path):
+    data = with_(
+        sweep={"batch": "both", "max_batch_limit": 16},
+        trials=[{"name": "fp32"}],
+        matrix={"attn_implementation": ["eager", "sdpa"], "lora.rank": [4]},
+    )
+    recipe = load_recipe(write(tmp_path, data))
+    assert recipe.sweep.batch == "both" and recipe.sweep.max_batch_limit == 16
+    assert recipe.trial_names == ["fp32", "attn-eager-lora-r4", "attn-sdpa-lora-r4"]
+    lora = recipe.trials[1].spec.strategy.lora
+    assert lora is not None and lora.rank == 4 and lora.alpha == 16  # the rest of the section is its defaults
+    assert load_recipe(write(tmp_path, BASE)).sweep.batch == "fixed"

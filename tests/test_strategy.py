@@ -6,7 +6,16 @@ from typing import Any
 
 import pytest
 
-from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy, StrategyError, precision_from_flags
+from hfscale.strategy import (
+    CompileSpec,
+    DeepSpeedSpec,
+    FsdpSpec,
+    LoraSpec,
+    ParallelismSpec,
+    Strategy,
+    StrategyError,
+    precision_from_flags,
+)
 
 
 def ds(**kw: Any) -> DeepSpeedSpec:
@@ -180,3 +189,96 @@ def test_unset_optimizer_is_the_installed_trainers_default() -> None:
     assert Strategy().resolved_optimizer == trainer_default
     assert Strategy(optimizer="adamw_torch").resolved_optimizer == "adamw_torch"
     assert Strategy.from_dict(Strategy().to_dict()) == Strategy()
+
+
+# -- the techniques of 0.3: each contradiction names its fields ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"device": "cpu", "tf32": True}, r"strategy.tf32=True with strategy.device='cpu'"),
+        ({"device": "cpu", "use_liger_kernel": True}, r"use_liger_kernel=True with strategy.device='cpu'"),
+        (
+            {"device": "cpu", "attn_implementation": "flash_attention_2", "precision": "bf16"},
+            r"flash_attention_2' with strategy.device='cpu'",
+        ),
+        ({"attn_implementation": "flash_attention_2"}, r"flash_attention_2' with strategy.precision='fp32'"),
+        ({"attn_implementation": "flash"}, r"strategy.attn_implementation: expected one of 'eager'"),
+        ({"tf32": True, "precision": "fp16"}, r"strategy.tf32=True with strategy.precision='fp16'"),
+        ({"deepspeed": DeepSpeedSpec(cpu_checkpointing=True)}, r"need strategy.gradient_checkpointing=True"),
+        ({"data_parallel": "dp", "device": "cpu", "num_processes": 2}, r"data_parallel='dp' with strategy.device"),
+        ({"data_parallel": "dp", "num_processes": 1}, r"data_parallel='dp' needs strategy.num_processes >= 2"),
+        (
+            {"data_parallel": "dp", "num_processes": 2, "deepspeed": DeepSpeedSpec()},
+            r"data_parallel='dp' with deepspeed/fsdp/parallelism",
+        ),
+        ({"data_parallel": "torchrun"}, r"strategy.data_parallel: expected one of 'ddp', 'dp'"),
+        ({"num_processes": 4, "parallelism": {"tp": 2}}, r"= 2, but strategy.num_processes=4"),
+        ({"num_processes": 2, "parallelism": {"sp": 2}}, r"parallelism.sp > 1 needs strategy.deepspeed"),
+        ({"num_processes": 2, "parallelism": {"dp_shard": 2}}, r"dp_shard/cp > 1 need strategy.fsdp with version 2"),
+        ({"lora": {"quantize_base": "4bit"}, "deepspeed": DeepSpeedSpec()}, r"lora.quantize_base='4bit' with"),
+        (
+            {"activation_offload": True, "data_parallel": "dp", "num_processes": 2},
+            r"activation_offload=True with strategy.data_parallel='dp'",
+        ),
+        (
+            {"device": "cpu", "gradient_checkpointing": True, "deepspeed": DeepSpeedSpec(cpu_checkpointing=True)},
+            r"cpu_checkpointing without deepspeed.partition_activations on strategy.device='cpu'",
+        ),
+    ],
+)
+def test_technique_contradictions_are_refused(fields: dict[str, Any], match: str) -> None:
+    fields = dict(fields)
+    if isinstance(fields.get("parallelism"), dict):
+        fields["parallelism"] = ParallelismSpec(**fields["parallelism"])
+    if isinstance(fields.get("lora"), dict):
+        fields["lora"] = LoraSpec(**fields["lora"])
+    with pytest.raises(StrategyError, match=match):
+        Strategy(**fields)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: LoraSpec(rank=0), r"lora.rank: expected a positive"),
+        (lambda: LoraSpec(dropout=1.0), r"lora.dropout: expected a number"),
+        (
+            lambda: LoraSpec(target_modules=[]),
+            r"lora.target_modules: expected a non-empty list",
+        ),
+        (
+            lambda: CompileSpec(backend="eager", mode="max-autotune"),
+            r"torch_compile.mode='max-autotune' with torch_compile.backend='eager'",
+        ),
+        (
+            lambda: ParallelismSpec(tp=0),
+            r"parallelism.tp: expected a positive integer",
+        ),
+    ],
+)
+def test_technique_specs_validate_their_fields(build: Any, match: str) -> None:
+    with pytest.raises(StrategyError, match=match):
+        build()
+
+
+def test_technique_strategies_round_trip_and_describe_themselves() -> None:
+    s = Strategy(
+        precision="bf16",
+        attn_implementation="sdpa",
+        torch_compile=CompileSpec(mode="max-autotune"),
+        tf32=True,
+        lora=LoraSpec(rank=16, quantize_base="4bit", target_modules=("q_proj", "v_proj")),
+        activation_offload=True,
+    )
+    assert Strategy.from_dict(s.to_dict()) == s
+    assert s.describe() == (
+        "bf16, default optimizer, attn sdpa, compile inductor/max-autotune, tf32, act-offload, QLoRA r16, bs 8 x acc 1"
+    )
+    dp = Strategy(data_parallel="dp", num_processes=4)
+    assert (dp.world_size, dp.distributed, dp.global_batch_size) == (1, False, 32)
+    assert "DataParallel x 4 GPU" in dp.describe()
+    mesh = Strategy(num_processes=4, fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_shard=2, tp=2))
+    assert mesh.parallelism.mesh() == {"dp_shard": 2, "tp": 2}
+    assert "mesh dp_shard 2 x tp 2" in mesh.describe()
+    assert Strategy.from_dict(mesh.to_dict()) == mesh

@@ -32,7 +32,7 @@ from hfscale.process import (
 )
 from hfscale.recipe import load_recipe
 from hfscale.run_folder import RunFolder, read_results
-from hfscale.sweep import format_row, run_sweep
+from hfscale.sweep import run_sweep
 from hfscale.sweep_cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +242,7 @@ def test_the_shared_sweeps_rows_are_typed_and_complete(tiny_sweep_run):
         assert row.wall_time_s > row.train_runtime_s > 0
         assert row.measured.world_size == 1 and row.launch.timeout_s == 120
         assert (tiny_sweep_run / row.launch.trial_dir / "result.json").exists()
-        assert "samples/s" in format_row(row) and "(predicted " in format_row(row)
+        assert "samples/s" in row.progress_line() and "(predicted " in row.progress_line()
     assert (rows["ckpt", 0].repeats, rows["ckpt", 1].repeat) == (2, 1)
     assert rows["ckpt", 1].launch.trial_dir == "trials/ckpt/repeat-2"
     assert rows["bf16", 0].strategy.precision == "bf16" and rows["ckpt", 0].strategy.gradient_checkpointing

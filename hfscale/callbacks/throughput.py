@@ -8,8 +8,16 @@ from typing import Any
 
 from hfscale.callbacks.base import _all_gather, _batch_counts, _rank_and_world, _SummaryCallback, _write_json
 from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
-from hfscale.flops import compute_dtype, mfu, model_shape, peak_flops_per_s, transformer_flops_per_token
+from hfscale.flops import (
+    compute_dtype,
+    matmul_parameters,
+    mfu,
+    model_shape,
+    peak_flops_per_s,
+    transformer_flops_per_token,
+)
 from hfscale.measurements import ThroughputSummary
+from hfscale.mesh import shared_batch
 from hfscale.verify import LinearDtypeProbe
 
 logger = logging.getLogger(__name__)
@@ -121,11 +129,13 @@ class ThroughputCallback(_SummaryCallback):
         self._acc_tokens = 0
         self._dirty = False
         self._model_shape: tuple[int, int, int] | None = None
+        self._frozen_params = 0
         self._marked_step = False
         self._dtype_probe: LinearDtypeProbe | None = None
         if model is not None:
             self._hook = model.register_forward_pre_hook(self._count_batch, with_kwargs=True)
             self._model_shape = _model_shape(model)
+            self._frozen_params = matmul_parameters(model, frozen_only=True)  # LoRA's base: no weight grads
             self._dtype_probe = LinearDtypeProbe(model)
         if state.max_steps < self.warmup_steps + 2:
             logger.warning(
@@ -209,11 +219,13 @@ class ThroughputCallback(_SummaryCallback):
     def _summarise(self, args: Any, rows: list[dict[str, Any]], world: int) -> ThroughputSummary:
         n = min(len(r["durations"]) for r in rows)
         step_s = [max(r["durations"][k] for r in rows) for k in range(n)]
-        samples = [sum(r["samples"][k] for r in rows) for k in range(n)]
-        tokens = [sum(r["tokens"][k] for r in rows) for k in range(n)]
+        # Ranks of one tensor/context/sequence-parallel group see the same samples (hfscale.mesh.shared_batch).
+        samples_shared, tokens_shared = shared_batch()
+        samples = [sum(r["samples"][k] for r in rows) // samples_shared for k in range(n)]
+        tokens = [sum(r["tokens"][k] for r in rows) // tokens_shared for k in range(n)]
         interrupted = [any(r["interrupted"][k] for r in rows) for k in range(n)]
         accumulation = int(getattr(args, "gradient_accumulation_steps", 1))
-        configured = int(args.train_batch_size) * accumulation * world
+        configured = int(args.train_batch_size) * accumulation * world // samples_shared
         if n and not any(samples):
             logger.warning(
                 "ThroughputCallback: counted no samples in the model's inputs (no input_ids / inputs_embeds / "
@@ -245,6 +257,7 @@ class ThroughputCallback(_SummaryCallback):
             total_steps=n,
             interrupted_steps=sum(interrupted[self.warmup_steps :]),
             samples_per_step_configured=configured,
+            first_step_s=step_s[0] if n else None,  # compilation lands here under torch.compile
         )
         if len(measured) < 2:
             logger.warning(
@@ -276,7 +289,11 @@ class ThroughputCallback(_SummaryCallback):
         if fpt is None and self._model_shape is not None and tokens_per_sample is not None:
             params, layers, hidden = self._model_shape
             fpt = transformer_flops_per_token(
-                non_embedding_params=params, num_layers=layers, hidden_size=hidden, seq_len=tokens_per_sample
+                non_embedding_params=params,
+                num_layers=layers,
+                hidden_size=hidden,
+                seq_len=tokens_per_sample,
+                frozen_params=min(self._frozen_params, params),
             )
         utilisation = None
         if fpt is not None and peak is not None and tokens_per_s is not None:

@@ -7,6 +7,8 @@ import os
 from typing import Any, Literal, get_args
 
 from hfscale.callbacks.base import _all_gather, _batch_counts, _TrainerBoundCallback, _write_json
+from hfscale.kernels import AttentionProbe
+from hfscale.mesh import shared_batch
 from hfscale.strategy import Strategy
 from hfscale.verify import LinearDtypeProbe, VerificationRecord
 
@@ -106,8 +108,10 @@ class VerificationCallback(_TrainerBoundCallback):
         self._samples = 0
         self._remove_hooks()
         self._probe: LinearDtypeProbe | None = None
+        self._attention_probe: AttentionProbe | None = None
         if model is not None:
             self._probe = LinearDtypeProbe(model)
+            self._attention_probe = AttentionProbe(model)
             self._hook = model.register_forward_pre_hook(self._count_samples, with_kwargs=True)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -138,6 +142,8 @@ class VerificationCallback(_TrainerBoundCallback):
         probe = getattr(self, "_probe", None)
         if probe is not None:
             probe.remove()
+        if getattr(self, "_attention_probe", None) is not None:
+            self._attention_probe.remove()
 
     def _verify(self, state: Any, control: Any) -> None:
         from hfscale.verify import VerificationError, check, collect
@@ -145,6 +151,7 @@ class VerificationCallback(_TrainerBoundCallback):
         self._finished = True
         self._remove_hooks()
         samples = sum(_all_gather(self._samples))  # collective, like collect(): every rank gets here
+        samples //= shared_batch()[0]  # the ranks of one tensor/context-parallel group share their samples
         trainer = self._trainer()
         if trainer is None:
             record = None
@@ -153,7 +160,13 @@ class VerificationCallback(_TrainerBoundCallback):
                 "it, so what runs could not be read"
             ]
         else:
-            record = collect(trainer, self._probe, params_total=self._params_total, samples_per_step=samples or None)
+            record = collect(
+                trainer,
+                self._probe,
+                params_total=self._params_total,
+                samples_per_step=samples or None,
+                attention_probe=self._attention_probe,
+            )
             mismatches = check(self.strategy, record)
         # Every rank must stop or go on together: a rank that raised alone would leave the others in a collective.
         mismatches = list(dict.fromkeys(m for rank in _all_gather(mismatches) for m in rank))

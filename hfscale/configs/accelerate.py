@@ -11,7 +11,13 @@ DDP             ``MULTI_GPU``                                    torchrun (``tor
 DeepSpeed       ``DEEPSPEED``                                    torchrun; ``deepspeed_multinode_launcher:
                                                                  standard`` keeps it torchrun across machines
 FSDP            ``FSDP``                                         torchrun, with ``FSDP_*`` variables set
+DataParallel    ``NO`` (``num_processes: 1``)                    one plain process that sees the trial's GPUs
+                                                                 (``CUDA_VISIBLE_DEVICES``: :func:`visible_devices`)
 ==============  ===============================================  ============================================
+
+A device mesh (``strategy.parallelism``) is written as the ``parallelism_config`` section only with FSDP2: accelerate
+1.15's launcher refuses that section otherwise, and the Trainer takes it as ``TrainingArguments.parallelism_config``
+(:mod:`hfscale.mesh`).
 
 On a CPU-only machine ``MULTI_GPU`` is what starts N real ranks (gloo DDP once ``TrainingArguments.use_cpu`` is
 set); ``MULTI_CPU`` / ``--cpu`` means mpirun and without it starts a single process. So ``use_cpu`` here is only
@@ -24,6 +30,7 @@ import sys
 from typing import Any
 
 from hfscale.configs.fsdp import fsdp_plugin_kwargs, parallelism_config
+from hfscale.mesh import accelerate_section
 from hfscale.strategy import Strategy
 
 
@@ -32,9 +39,9 @@ def _distributed_type(strategy: Strategy) -> str:
         return "DEEPSPEED"
     if strategy.fsdp is not None:
         return "FSDP"
-    if strategy.num_processes > 1 or strategy.num_machines > 1:
+    if strategy.world_size > 1 or strategy.num_machines > 1:
         return "MULTI_GPU"
-    return "NO"
+    return "NO"  # one process, with data_parallel "dp" too (the Trainer wraps the model in nn.DataParallel)
 
 
 def _deepspeed_section(strategy: Strategy, deepspeed_config_file: str | None) -> dict[str, Any]:
@@ -119,7 +126,7 @@ def accelerate_config(
         "machine_rank": machine_rank,
         "main_training_function": "main",
         "num_machines": strategy.num_machines,
-        "num_processes": strategy.num_processes,
+        "num_processes": strategy.world_size,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": strategy.device == "cpu",
@@ -136,7 +143,7 @@ def accelerate_config(
         config["deepspeed_config"] = _deepspeed_section(strategy, deepspeed_config_file)
     if strategy.fsdp is not None:
         config["fsdp_config"] = fsdp_plugin_kwargs(strategy, transformer_layer_cls=transformer_layer_cls)
-        mesh = parallelism_config(strategy)
+        mesh = accelerate_section(strategy) or parallelism_config(strategy)
         if mesh:
             config["parallelism_config"] = mesh
     return config
@@ -167,4 +174,26 @@ def launch_command(
     return cmd + [str(part) for part in target]
 
 
-__all__ = ["accelerate_config", "launch_command"]
+def visible_devices(strategy: Strategy, devices: tuple[str, ...]) -> dict[str, str]:
+    """The environment that makes a ``data_parallel: dp`` trial's one process see exactly its GPUs: the Trainer
+    wraps the model in ``nn.DataParallel`` over every GPU it sees (``torch.cuda.device_count()``), so without it a
+    machine's other GPUs would join. ``devices`` are the lock names :func:`hfscale.device_lock.trial_devices`
+    picked (``cuda0``, ``cuda<UUID>``). Empty for every other strategy (each rank picks its GPU by local rank).
+    Fewer devices than asked are passed as they are: the verification then sees the smaller batch that ran.
+    """
+    if strategy.data_parallel != "dp":
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(d.removeprefix("cuda") for d in devices[: strategy.num_processes])}
+
+
+def user_command(strategy: Strategy, config_file: str, script: str = "your_script.py") -> list[str]:
+    """What a user runs their script with under ``strategy``, as argv (``shlex.join`` it to print): ``accelerate
+    launch --config_file ...``, or for ``data_parallel: dp`` a plain ``python`` with ``CUDA_VISIBLE_DEVICES`` (one
+    process; no launcher, so none can start the DDP ranks that would replace nn.DataParallel)."""
+    if strategy.data_parallel == "dp":
+        gpus = ",".join(str(i) for i in range(strategy.num_processes))
+        return ["env", f"CUDA_VISIBLE_DEVICES={gpus}", "python", script]
+    return ["accelerate", "launch", "--config_file", str(config_file), script]
+
+
+__all__ = ["accelerate_config", "launch_command", "user_command", "visible_devices"]

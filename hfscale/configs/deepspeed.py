@@ -61,6 +61,28 @@ def zero_optimization(strategy: Strategy) -> dict[str, Any]:
     return zero
 
 
+def activation_checkpointing(strategy: Strategy) -> dict[str, Any]:
+    """The ``activation_checkpointing`` section: how ``deepspeed.checkpointing.checkpoint`` keeps checkpoints.
+
+    DeepSpeed reads it only through ``deepspeed.checkpointing.configure``, and a Hugging Face model checkpoints
+    with ``torch.utils.checkpoint``: the section takes effect only where the model's checkpoint function is
+    replaced (``hfscale.activation_offload.use_deepspeed_checkpointing``, which reads it from this JSON).
+    ``contiguous_memory_optimization`` stays off: it needs the number of checkpoints in advance and partitioned
+    activations.
+    """
+    spec = strategy.deepspeed
+    if spec is None:
+        raise ValueError("activation_checkpointing: the strategy has no DeepSpeed section")
+    return {
+        "partition_activations": spec.partition_activations,
+        "cpu_checkpointing": spec.cpu_checkpointing,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": None,
+        "synchronize_checkpoint_boundary": False,
+        "profile": False,
+    }
+
+
 def deepspeed_config(strategy: Strategy) -> dict[str, Any] | None:
     """The DeepSpeed JSON for ``TrainingArguments(deepspeed=...)``, or None when the strategy uses no DeepSpeed.
 
@@ -101,6 +123,8 @@ def deepspeed_config(strategy: Strategy) -> dict[str, Any] | None:
             "type": "AdamW",
             "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
         }
+    if spec.partition_activations or spec.cpu_checkpointing:
+        config["activation_checkpointing"] = activation_checkpointing(strategy)
     if "nvme" in (spec.offload_optimizer, spec.offload_param):
         # Asynchronous I/O settings for ZeRO-Infinity, DeepSpeed's documented defaults.
         config["aio"] = {
@@ -113,4 +137,4 @@ def deepspeed_config(strategy: Strategy) -> dict[str, Any] | None:
     return config
 
 
-__all__ = ["deepspeed_config", "zero_optimization"]
+__all__ = ["activation_checkpointing", "deepspeed_config", "zero_optimization"]

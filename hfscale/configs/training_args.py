@@ -68,9 +68,29 @@ def training_args_kwargs(
     if strategy.deepspeed is not None:
         kwargs["deepspeed"] = str(deepspeed_config_path)
     kwargs |= fsdp_training_args(strategy, transformer_layer_cls=transformer_layer_cls)
+    kwargs |= _kernel_training_args(strategy)
     if strategy.distributed:
         # Without this the logged loss is the sum over ranks (measured: x world size).
         kwargs["average_tokens_across_devices"] = False
+    return kwargs
+
+
+def _kernel_training_args(strategy: Strategy) -> dict[str, Any]:
+    """``torch_compile*``, ``tf32`` and ``use_liger_kernel``; the attention implementation goes to the model
+    (:func:`hfscale.model.build_model`), not to ``TrainingArguments``."""
+    kwargs: dict[str, Any] = {}
+    if strategy.torch_compile is not None:
+        kwargs |= {
+            "torch_compile": True,
+            "torch_compile_backend": strategy.torch_compile.backend,
+            "torch_compile_mode": strategy.torch_compile.mode,
+        }
+    if strategy.tf32 or (strategy.torch_compile is not None and strategy.device == "cuda"):
+        # Unset, transformers turns TF32 on by itself whenever torch_compile runs on an Ampere or newer GPU
+        # (training_args.py, "TF32"), so a compiled fp32 row would silently use TF32: say it either way.
+        kwargs["tf32"] = strategy.tf32
+    if strategy.use_liger_kernel:
+        kwargs["use_liger_kernel"] = True
     return kwargs
 
 

@@ -28,6 +28,8 @@ class ActivationBytes:
     """One layer rebuilt in the backward pass under checkpointing (0 without)."""
     outside_layers: int
     attention_path: str
+    offloaded: int = 0
+    """Bytes held in host memory instead under activation offload on CUDA (``saved`` is what stays on the device)."""
 
 
 def activation_bytes(
@@ -39,11 +41,14 @@ def activation_bytes(
     device: str = "cuda",
     gradient_checkpointing: bool = False,
     half_module: bool = False,
+    activation_offload: bool = False,
 ) -> ActivationBytes:
     """Bytes saved for backward by one forward pass (the inventory: docs/estimate.md, "Activations").
 
     Args:
         half_module: the whole module is cast to 16 bits (DeepSpeed bf16/fp16): no autocast, half residual stream.
+        activation_offload: saved tensors go to host memory in forward (hfscale.activation_offload); on CUDA one
+            layer's are back on the device at a time in backward. On the CPU it changes nothing.
 
     Raises:
         ValueError: on a non-positive batch size or sequence length.
@@ -68,7 +73,10 @@ def activation_bytes(
     # attention core
     if shape.attn_implementation == "eager":
         scores = a * s * s * b
-        core = 3 * c * tokens * h + scores * (4 + mask(shape.attention_dropout, c) + c)
+        # fp32 softmax output, and the probabilities the value matmul reads: the same tensor when they stay fp32
+        # and no dropout runs (measured: one fp32 s² tensor per layer, tiny BERT fp32 on CPU, tests/test_kernels.py)
+        probs = c if (mixed or shape.attention_dropout > 0) else 0
+        core = 3 * c * tokens * h + scores * (4 + mask(shape.attention_dropout, c) + probs)
         path = "eager (s² scores kept)"
     elif not on_cuda and shape.attention_dropout > 0:
         scores = a * s * s * b
@@ -113,8 +121,16 @@ def activation_bytes(
     else:
         layers_kept = layers * per_layer
         recompute = 0
+    saved = layers_kept + recompute + outside
+    offloaded = 0
+    if activation_offload and on_cuda:
+        # Everything saved goes through the hooks, the checkpointed layers' inputs too (torch's non-reentrant
+        # checkpoint saves them with save_for_backward); the backward pass brings back one layer's at a time.
+        offloaded = saved - per_layer
+        saved = per_layer
     return ActivationBytes(
-        saved=layers_kept + recompute + outside,
+        saved=saved,
+        offloaded=offloaded,
         transient=transient,
         per_layer=per_layer,
         layers_kept=layers_kept,

@@ -49,6 +49,9 @@ def default_strategies(
     ]
     if num_gpus > 1:
         out.append(base.replace(name=f"{half}-fsdp", precision=half, fsdp=FsdpSpec()))
+    if num_machines > 1 and num_gpus > num_machines:
+        # HSDP: sharded over one machine's GPUs, replicated across machines
+        out.append(base.replace(name=f"{half}-hsdp", precision=half, fsdp=FsdpSpec(sharding="hybrid_shard")))
     return out
 
 
@@ -95,7 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-gpus", type=_positive_int, default=None, help="processes in all (default: recipe's or 1)"
     )
-    parser.add_argument("--num-machines", type=_positive_int, default=None)
+    parser.add_argument(
+        "--num-machines",
+        type=_positive_int,
+        default=None,
+        help="machines the processes are spread over (default: recipe's or 1); hybrid_shard shards within one",
+    )
     parser.add_argument("--memory-budget", default=None, help="memory per device, e.g. 80GiB, 16GB")
     parser.add_argument("--seq-len", type=_positive_int, default=None)
     parser.add_argument("--batch-size", type=_positive_int, default=None, help="per-device batch size")

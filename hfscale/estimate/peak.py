@@ -7,6 +7,7 @@ are never held at once (docs/estimate.md, "Gradients and activations").
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from hfscale.estimate.activations import activation_bytes
@@ -14,6 +15,7 @@ from hfscale.estimate.optimizer import optimizer_state_bytes, optimizer_step_tem
 from hfscale.estimate.result import GIB, MemoryEstimate
 from hfscale.estimate.shape import ModelShape, describe_model, model_shape_from_module
 from hfscale.estimate.states import model_states
+from hfscale.lora import trainable_shape
 from hfscale.spec import DataSpec, ModelSpec, TrialSpec
 from hfscale.strategy import Strategy
 
@@ -61,10 +63,14 @@ def estimate_memory(
 
 
 def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_args: dict[str, Any]) -> MemoryEstimate:
+    if strategy.attn_implementation is not None and strategy.attn_implementation != shape.attn_implementation:
+        # the trial builds the model with the strategy's kernel (hfscale.model.build_model): eager keeps s² scores
+        shape = dataclasses.replace(shape, attn_implementation=strategy.attn_implementation)
     n = shape.num_params
     device = strategy.device
     optimizer = strategy.resolved_optimizer
-    optimizer_bytes = optimizer_state_bytes(shape, optimizer, device=device, momentum=sgd_momentum(training_args))
+    trained = trainable_shape(shape, strategy) or shape  # LoRA: optimizer states for the adapters only
+    optimizer_bytes = optimizer_state_bytes(trained, optimizer, device=device, momentum=sgd_momentum(training_args))
     states = model_states(shape, strategy, optimizer_bytes=optimizer_bytes)
     notes = list(states.notes)
     overhead = dict(states.overhead)
@@ -77,12 +83,13 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
         device=device,
         gradient_checkpointing=strategy.gradient_checkpointing,
         half_module=states.half_module,
+        activation_offload=strategy.activation_offload,
     )
     if act.transient:
         overhead["loss_buffers"] = act.transient
     forward_extra = act.saved + overhead.get("autocast_weight_copies", 0) + act.transient
     if not states.step_on_host:
-        step_temp = optimizer_step_temp_bytes(shape, optimizer, device, states.local_fraction)
+        step_temp = optimizer_step_temp_bytes(trained, optimizer, device, states.local_fraction)
         # the step's temporaries live after the activations are freed: they add only what exceeds them
         if step_temp > forward_extra:
             overhead["optimizer_step"] = step_temp - forward_extra

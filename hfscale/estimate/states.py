@@ -8,9 +8,11 @@ sources (DeepSpeed's own estimators, the transformers "model training anatomy" p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hfscale.estimate.shape import ModelShape
+from hfscale.lora import SHARDED_LORA_NOTE, lora_states
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
 
 
@@ -37,10 +39,14 @@ class ModelStates:
 
 
 def shard_group(strategy: Strategy) -> int:
-    """Processes that share one copy of the model states: all of them, one machine's for ``hybrid_shard``, one for
-    FSDP's ``no_shard``."""
+    """Processes that share one copy of the model states: all of them (ZeRO and FSDP ``full_shard`` across every
+    machine), one machine's for ``hybrid_shard`` (sharded within a machine, replicated across machines), one for
+    FSDP's ``no_shard``; under an explicit device mesh (``strategy.parallelism``) FSDP2 shards over
+    ``dp_shard x cp`` and replicates over ``dp_replicate`` (accelerate's ``ParallelismConfig.fsdp_dim_names``)."""
     if strategy.fsdp is None:
         return strategy.num_processes
+    if strategy.parallelism is not None:
+        return strategy.parallelism.dp_shard * strategy.parallelism.cp
     sharding = strategy.fsdp.sharding
     if sharding == "no_shard":
         return 1
@@ -56,17 +62,37 @@ def model_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int)
         optimizer_bytes: the optimizer's states for the whole, unsharded model (:func:`optimizer_state_bytes`).
     """
     if strategy.deepspeed is not None:
-        return deepspeed_states(shape, strategy, strategy.deepspeed, optimizer_bytes=optimizer_bytes)
-    if strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard":
-        return fsdp_states(shape, strategy, strategy.fsdp, optimizer_bytes=optimizer_bytes)
-    return plain_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+        states = deepspeed_states(shape, strategy, strategy.deepspeed, optimizer_bytes=optimizer_bytes)
+    elif strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard":
+        states = fsdp_states(shape, strategy, strategy.fsdp, optimizer_bytes=optimizer_bytes)
+    elif strategy.lora is not None:  # adapters on a frozen (QLoRA: 4-bit) base
+        states = lora_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+    else:
+        states = plain_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+    sharded_engine = strategy.deepspeed is not None or (
+        strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard"
+    )
+    if strategy.lora is not None and sharded_engine:  # these engines' LoRA states are not modelled
+        states = dataclasses.replace(states, notes=(*states.notes, SHARDED_LORA_NOTE))
+    mesh = strategy.parallelism
+    if mesh is not None and (mesh.tp > 1 or mesh.cp > 1 or mesh.sp > 1):
+        # not modelled: counting the states whole over tp and the sequence whole over cp/sp over-estimates
+        states = dataclasses.replace(
+            states,
+            notes=(
+                *states.notes,
+                "tensor/context/sequence parallel splits are not modelled: weights of the tensor-parallel plan "
+                "and activations are counted whole on each device (an over-estimate)",
+            ),
+        )
+    return states
 
 
 def plain_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int) -> ModelStates:
     """One process, DDP, or FSDP without sharding: every process holds everything, fp32 weights under autocast."""
     n = shape.num_params
     overhead: dict[str, float] = {}
-    if strategy.num_processes > 1:
+    if strategy.world_size > 1:  # DDP; nn.DataParallel (one process, world size 1) keeps no buckets
         overhead["ddp_buckets"] = 4 * n  # gradient_as_bucket_view=False, accelerate's default
     if strategy.precision in ("fp16", "bf16"):
         overhead["autocast_weight_copies"] = 2 * shape.matmul_params

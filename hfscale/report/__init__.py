@@ -5,7 +5,8 @@
 (:func:`write_comparison`) puts the same trials of two runs side by side. From Python, :func:`load_run` and
 :func:`compare_runs` return the tables as pandas DataFrames.
 
-The floors of the package: ``analysis`` (typed rows -> the table, with ``breakdown``, ``recommend`` and ``machine``),
+The floors of the package: ``analysis`` (typed rows -> the table, with ``breakdown``, ``recommend``, ``machine`` and
+``ranks``: each machine of a multi-machine run, and each rank's memory with its machine),
 ``columns`` (each column declared once with its unit and alignment), ``model`` (the report as sections), ``render``
 (Jinja2 templates in ``templates/``), ``plots`` (matplotlib, imported when a plot is drawn), ``compare``, ``cli``.
 """

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfscale.batch_search import BatchSearchRecord
-from hfscale.environment import gpu_memory_bytes
+from hfscale.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
 from hfscale.report.coverage import Coverage, coverage
 from hfscale.report.machine import GIB
 from hfscale.report.noise import NOISE_KEYS, Groups, against, trial_noise
+from hfscale.report.ranks import rank_memory_records
 from hfscale.report.recommend import Recommendation, pareto_front, recommend
 from hfscale.report.trials import MEDIANS, describe, group_rows, record_keys, run_record, trial_record
 from hfscale.results import TrialResult
@@ -109,6 +110,11 @@ class Summary:
     """The recipe's trials against the rows (None when summarized from rows without a run folder)."""
     price_per_hour: float | None = None
     """``--price-per-hour``: the price of one device for an hour, for the cost columns."""
+    machines: tuple[MachineEnvironment, ...] = ()
+    """Each machine's environment record (``machines/``), by machine rank; empty for one-machine runs."""
+    rank_memory: tuple[dict[str, Any], ...] = ()
+    """Per trial whose ranks ran on several machines: each rank's peak with its machine
+    (:func:`hfscale.report.ranks.rank_memory_records`); empty when none did."""
 
     def row(self, trial: str) -> pd.Series:
         """One trial's row (attributes are the column names: ``summary.row("bf16").peak_gib``)."""
@@ -123,12 +129,14 @@ def summarize(
     run_dir: str | Path = ".",
     price_per_hour: float | None = None,
     coverage: Coverage | None = None,
+    machines: Sequence[MachineEnvironment] = (),
 ) -> Summary:
     """The comparison table, baseline, Pareto front and recommendation of a run's rows.
 
     Without ``memory_budget_bytes`` the budget is the GPU memory ``environment.json`` records
     (:func:`hfscale.environment.gpu_memory_bytes`), else there is none and the recommendation says so. With
-    ``price_per_hour`` (one device for an hour, any currency) the table has ``cost_per_m_tokens``.
+    ``price_per_hour`` (one device for an hour, any currency) the table has ``cost_per_m_tokens``. With
+    ``machines`` (each machine's record of a multi-machine run) the budget is the smallest GPU of any machine.
 
     Raises:
         ReportError: for a price per hour that is not a positive number.
@@ -197,6 +205,10 @@ def summarize(
     else:
         budget = gpu_memory_bytes(environment)
         source = "the GPU memory environment.json records" if budget is not None else "none"
+        # every rank must fit: the smallest GPU of any machine (only machine 0's is in environment.json)
+        sizes = [m.gpu_memory_bytes for m in machines if m.gpu_memory_bytes is not None]
+        if len(machines) > 1 and sizes and (budget is None or min(sizes) < budget):
+            budget, source = min(sizes), "the smallest GPU memory the machines' records hold"
     frame["on_pareto_front"] = frame.index.isin(front)
     frame["fits_budget"] = pd.array(
         [None if budget is None or pd.isna(fit) else bool(fit * GIB <= budget) for fit in frame["fit_gib"]],
@@ -218,10 +230,13 @@ def summarize(
             name: search
             for name, group in groups
             if (search := next((r.batch_search for r in group if r.batch_search is not None), None)) is not None
+            and search.max_batch_of is None  # a max-batch row repeats its trial's search
         },
         step_groups=step_groups,
         coverage=coverage,
         price_per_hour=price_per_hour,
+        machines=tuple(machines),
+        rank_memory=tuple(rank_memory_records(groups)),
     )
 
 
@@ -253,6 +268,10 @@ def summarize_run(
         rows, environment = folder.rows(), folder.environment()
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
         raise ReportError(f"{path / RESULTS_FILE}: cannot be read: {exc}") from exc
+    try:
+        machines = read_machine_environments(path)
+    except ValueError as exc:  # the message names the machine's file
+        raise ReportError(str(exc)) from exc
     return summarize(
         rows,
         environment=environment,
@@ -260,6 +279,7 @@ def summarize_run(
         run_dir=path,
         price_per_hour=price_per_hour,
         coverage=coverage(folder, (r.trial for r in rows)),
+        machines=machines,
     )
 
 

@@ -101,6 +101,8 @@ def _notes_cell(row: Row) -> str:
     notes = []
     if row.get("is_baseline"):
         notes.append("baseline")
+    if not is_missing(row.get("max_batch_of")):
+        notes.append(f"{row['max_batch_of']} at its largest batch: compare samples/s, not step time or loss")
     if row.get("on_pareto_front"):
         notes.append("Pareto")
     if row.get("recommended"):
@@ -239,6 +241,7 @@ COLUMNS: dict[str, Column] = {
         _num("other_gib", "other (GiB)", "GiB", 3),
         _num("alloc_retries", "alloc retries", None, None),
         _num("step_time_median_s", "step time median (s)", "s", 4),
+        _num("first_step_s", "first step (s), compilation included", "s", 2),
         _text("memory_notes", "how to read the phases"),
     )
 }
@@ -253,11 +256,18 @@ def select(*keys: str, **headers: str) -> list[Column]:
 
 
 def trial_columns(
-    *, repeats: bool, batch_search: bool, step_times: bool = False, energy: bool = False, cost: bool = False
+    *,
+    repeats: bool,
+    batch_search: bool,
+    step_times: bool = False,
+    energy: bool = False,
+    cost: bool = False,
+    compiled: bool = False,
 ) -> list[Column]:
     """The Trials table: repeat statistics only when a trial ran more than once, the step-time dispersion only
     when step times were kept, energy only where a GPU counted it, cost only with a price, the largest batch only
-    when the sweep searched for it."""
+    when the sweep searched for it, the first step's time (which pays torch.compile's compilation, kept out of the
+    steady-state figures) only when a trial compiled."""
     return select(
         "trial",
         "description",
@@ -273,6 +283,7 @@ def trial_columns(
         "tokens_per_s",
         "achieved_tflops",
         "mfu_pct",
+        *(("first_step_s",) if compiled else ()),
         *(("energy_j", "energy_per_sample_j") if energy else ()),
         "peak_gib",
         *(("peak_gib_min",) if repeats else ()),

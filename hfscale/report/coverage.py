@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hfscale.batch_search import max_batch_base
 from hfscale.run_folder import STDERR_FILE, STDOUT_FILE, RunFolder
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
         with_rows=tuple(n for n in names if n in have),
         interrupted=tuple(interrupted),
         never_started=tuple(never),
-        not_in_recipe=tuple(n for n in have if names and n not in names),
+        # A max-batch row (sweep.batch: both|max) is its recipe trial's, at another batch.
+        not_in_recipe=tuple(n for n in have if names and n not in names and max_batch_base(n) not in names),
         recipe_error=error,
     )
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from hfscale.report.budget import BUDGET_COLUMNS, BUDGET_NOTE, budget_rows
 from hfscale.report.columns import MEMORY_COLUMNS, Align, Column, fmt, short, trial_columns
 from hfscale.report.machine import env_header, env_items
+from hfscale.report.ranks import MACHINE_HEADERS, MACHINES_NOTE, RANK_COLUMNS, RANK_NOTE, machine_rows
 from hfscale.report.text import Text, plain, rich
 
 if TYPE_CHECKING:
@@ -302,11 +303,23 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
         step_times=bool(frame["step_time_cv_pct"].notna().any()) if len(frame) else False,
         energy=bool(frame["energy_j"].notna().any()) if len(frame) else False,
         cost=summary.price_per_hour is not None,
+        compiled=bool(frame["compiled"].any()) if len(frame) else False,
     )
     budget = budget_rows(frame, summary.step_groups) if len(frame) else []
     sections = [
         Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
         env,
+        *(
+            [
+                Section(
+                    title="Machines",
+                    table=Table.text(MACHINE_HEADERS, machine_rows(summary.machines), css="env"),
+                    notes=(plain(MACHINES_NOTE),),
+                )
+            ]
+            if len(summary.machines) > 1
+            else []
+        ),
         Section(
             title="Trials",
             table=Table.of(columns, rows, row_class=row_class, css="trials"),
@@ -328,6 +341,12 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
             title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
         ),
     ]
+    if summary.rank_memory:
+        sections.append(
+            Section(
+                title="Memory per rank", table=Table.of(RANK_COLUMNS, summary.rank_memory), notes=(plain(RANK_NOTE),)
+            )
+        )
     if summary.batch_searches:
         batch = [_batch_record(name, record) for name, record in summary.batch_searches.items()]
         sections.append(

@@ -69,6 +69,7 @@ def run_record(row: TrialResult) -> dict[str, Any]:
         "trainer_samples_per_s": row.train_samples_per_second,
         "tokens_per_s": tp.tokens_per_s if tp else None,
         "step_time_median_s": tp.step_time_median_s if tp else None,
+        "first_step_s": tp.first_step_s if tp else None,
         "mfu_pct": None if tp is None or tp.mfu is None else 100.0 * tp.mfu,
         "achieved_tflops": achieved_tflops(row),
         "final_loss": finite(row.final_loss),
@@ -105,6 +106,7 @@ MEDIANS = (
     "trainer_samples_per_s",
     "tokens_per_s",
     "step_time_median_s",
+    "first_step_s",
     "mfu_pct",
     "achieved_tflops",
     "final_loss",
@@ -133,6 +135,7 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
     return {
         "trial": name,
         "description": describe(first),
+        "compiled": first.strategy.torch_compile is not None,
         "status": status,
         "reason": reason,
         "is_baseline": any(r.is_baseline for r in group),
@@ -160,6 +163,7 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
             None if parity is None or finite(parity.max_rel_deviation) is None else 100.0 * parity.max_rel_deviation
         ),
         "batch_searched": None if search is None else search.searched,
+        "max_batch_of": None if search is None else search.max_batch_of,
         "max_batch_size": result.max_batch_size if result else None,
         "max_batch_samples_per_s": result.samples_per_s if result else None,
         "first_oom_batch_size": result.first_oom_batch_size if result else None,

@@ -1,0 +1,230 @@
+"""Device meshes: the strategy's mesh as accelerate takes it (YAML through its launcher, ``ParallelismConfig`` for the
+Trainer), a model without a tensor-parallel plan refused at recipe load, the mesh and the DTensor placements checked
+(a fallback to plain weights caught), and tensor parallel over 2 CPU processes through the Trainer proving from
+inside the run that a Linear weight is ``Shard``-ed over a 1-D tp mesh of 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hfscale import mesh
+from hfscale.configs import launch_command, write_configs
+from hfscale.measurements import VerificationRecord
+from hfscale.process import free_port
+from hfscale.recipe import RecipeError, parse_recipe
+from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
+from hfscale.strategy import FsdpSpec, ParallelismSpec, Strategy
+from hfscale.verify import check
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+TP2_CPU = Strategy(
+    name="tp2", device="cpu", num_processes=2, per_device_batch_size=4, optimizer="adamw_torch",
+    parallelism=ParallelismSpec(tp=2),
+)  # fmt: skip
+FSDP2_TP2 = Strategy(
+    name="fsdp2-tp2", precision="bf16", num_processes=4, fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_shard=2, tp=2)
+)
+
+
+def tp_record(**changes) -> VerificationRecord:
+    """What the tp=2 CPU trial records (measured: tests below): no wrapper, a tp mesh of 2, q_proj's weight split
+    by rows, the batch counted once for the two ranks that share it."""
+    base = VerificationRecord(
+        distributed_type="MULTI_CPU",
+        world_size=2,
+        device="cpu",
+        mixed_precision="no",
+        wrapper="none",
+        wrapper_class="transformers.models.llama.modeling_llama.LlamaForCausalLM",
+        params_total=115_008,
+        params_local_per_rank=[57_664, 57_664],
+        linear_layer="model.layers.0.self_attn.q_proj",
+        linear_output_dtype="float32",
+        optimizer_class="torch.optim.adamw.AdamW",
+        optimizer_implementation="foreach",
+        global_batch_size=4,
+        device_mesh={"tp": 2},
+        linear_weight_placements="(Shard(dim=0),)",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# -- the mesh, as accelerate takes it ------------------------------------------------------------------------------
+
+
+def test_parallelism_config_carries_the_strategy_sizes():
+    pc = mesh.parallelism_config(FSDP2_TP2)
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size, pc.sp_size) == (1, 2, 2, 1, 1)
+    assert pc.total_size == FSDP2_TP2.num_processes
+    assert mesh.parallelism_config(Strategy()) is None
+
+
+def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monkeypatch):
+    """accelerate launch refuses a parallelism_config section without FSDP2: DDP + tp gets none (the Trainer
+    takes the mesh); FSDP2 + tp gets one, which accelerate's launcher turns into PARALLELISM_CONFIG_* variables."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    assert mesh.accelerate_section(TP2_CPU) == {}
+    assert "parallelism_config" not in write_configs(TP2_CPU, tmp_path / "ddp").accelerate_yaml.read_text()
+    configs = write_configs(FSDP2_TP2, tmp_path / "fsdp")
+    args = launch_command_parser().parse_args(["--config_file", str(configs.accelerate_yaml), "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    args.main_process_port = 0
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "2")
+    # The variables build the same ParallelismConfig the Trainer is given.
+    from accelerate import ParallelismConfig
+
+    for key, value in env.items():
+        if key.startswith("PARALLELISM_CONFIG_"):
+            monkeypatch.setenv(key, value)
+    from_env = ParallelismConfig()
+    given = mesh.parallelism_config(FSDP2_TP2)
+    assert from_env._sizes == given._sizes
+
+
+def test_accelerate_refuses_tp_beside_replication_alone():
+    with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):
+        mesh.parallelism_config(Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2)))
+
+
+def test_script_lines_say_what_a_user_script_needs():
+    lines = [line for _, line in mesh.script_lines(TP2_CPU)]
+    assert lines[0] == mesh.SCRIPT_LINE
+    assert "tp_plan='auto', tp_size=2" in lines[1]
+    assert "ParallelismConfig(tp_size=2)" in lines[2]
+    assert mesh.script_lines(Strategy()) == []
+
+
+# -- a model without a tensor-parallel plan ------------------------------------------------------------------------
+
+
+def test_tp_for_a_model_without_a_plan_is_refused_at_recipe_load():
+    recipe = {
+        "device": "cpu",
+        "model": {"type": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
+        "trials": [{"name": "tp2", "num_processes": 2, "parallelism": {"tp": 2}}],
+    }
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism\.tp: .*model type 'bert' has none.*llama"):
+        parse_recipe(recipe, source="x.yaml")
+    recipe["model"] = {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA}
+    recipe["data"] = {"token_high": 256}
+    assert parse_recipe(recipe, source="x.yaml").trials[0].spec.strategy.parallelism.tp == 2
+
+
+def test_a_mesh_accelerate_refuses_is_refused_at_recipe_load_and_by_the_cli(tmp_path: Path, capsys):
+    from hfscale.configs.cli import main as config_main
+
+    recipe = {
+        "model": {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA},
+        "data": {"token_high": 256},
+        "trials": [{"name": "tp-ddp", "num_processes": 4, "parallelism": {"dp_replicate": 2, "tp": 2}}],
+    }
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism: accelerate refuses this mesh: .*pure data"):
+        parse_recipe(recipe, source="x.yaml")
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2"]) == 2
+    assert "the other 2 ways of data parallel need --fsdp" in capsys.readouterr().err
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 0
+    assert "parallelism_config_tp_size: 2" in (tmp_path / "accelerate.yaml").read_text()
+
+
+# -- verification ----------------------------------------------------------------------------------------------
+
+
+def test_a_tensor_parallel_record_matches():
+    assert check(TP2_CPU, tp_record()) == []
+    assert mesh.check(Strategy(), tp_record(device_mesh=None, linear_weight_placements=None)) == []
+
+
+def test_plain_weights_while_tp_was_asked_are_caught():
+    """The silent fallback: the model trained whole on every rank (not loaded along its plan)."""
+    fallback = tp_record(linear_weight_placements=None, device_mesh=None)
+    problems = check(TP2_CPU, fallback)
+    assert any("Linear weights are plain tensors, parallelism.tp=2" in p for p in problems)
+    assert any("device mesh that ran is none, parallelism asks for tp 2" in p for p in problems)
+    replicated = tp_record(linear_weight_placements="(Replicate(),)")
+    assert any("(replicated)" in p for p in check(TP2_CPU, replicated))
+
+
+def test_global_batch_counts_the_shared_batch_once():
+    """Both tp ranks train on the same samples: 4 per step, not 8 (hfscale.mesh.shared_batch)."""
+    assert TP2_CPU.global_batch_size == 4
+    assert mesh.shared_batch() == (1, 1)  # no accelerate state in this process
+
+
+# -- tensor parallel on 2 CPU processes, through the Trainer ---------------------------------------------------------
+
+
+def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
+    """The trial runner loads the model along its plan and accelerate runs the mesh over gloo (with
+    :func:`hfscale.mesh.enable_mesh_on_cpu`): from inside the run, q_proj's weight is a DTensor ``Shard(dim=0)`` over
+    a 1-D tp mesh of 2, each rank holds half of every split Linear, and the loss is finite."""
+    from hfscale.trial import read_outcome
+
+    spec = TrialSpec(
+        name=TP2_CPU.name,
+        strategy=TP2_CPU,
+        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
+        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
+        measure=MeasureSpec(max_steps=4, warmup_steps=1),
+    )
+    configs = write_configs(TP2_CPU, tmp_path)
+    spec.write(tmp_path / "spec.json")
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outcome = read_outcome(tmp_path / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    v = outcome.verification
+    assert v.device_mesh == {"tp": 2}
+    assert v.linear_layer == "model.layers.0.self_attn.q_proj"
+    assert v.linear_weight_placements == "(Shard(dim=0),)"
+    assert v.wrapper == "none" and v.distributed_type == "MULTI_CPU" and v.world_size == 2
+    # Embeddings and norms stay whole; the split Linears are halved, so each rank holds well under all of it.
+    assert v.params_local_per_rank[0] == v.params_local_per_rank[1] < v.params_total
+    assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
+    assert all(math.isfinite(x) for x in outcome.loss_curve)
+    assert check(TP2_CPU, v) == []
+
+
+@pytest.mark.multi_gpu
+def test_tensor_parallel_over_two_gpus(tmp_path: Path):
+    """The same trial on 2 GPUs (NCCL; no adjustment): the weight is sharded over the tp mesh."""
+    from hfscale.trial import read_outcome
+
+    strategy = TP2_CPU.replace(name="tp2-gpu", device="cuda", precision="bf16")
+    spec = TrialSpec(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
+        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
+        measure=MeasureSpec(max_steps=4, warmup_steps=1),
+    )
+    configs = write_configs(strategy, tmp_path)
+    spec.write(tmp_path / "spec.json")
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outcome = read_outcome(tmp_path / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    assert outcome.verification.device_mesh == {"tp": 2}
+    assert "Shard" in (outcome.verification.linear_weight_placements or "")
