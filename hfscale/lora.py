@@ -133,8 +133,10 @@ def _load_4bit(model: Any, spec: TrialSpec, scratch_dir: str | os.PathLike[str])
     if spec.model.pretrained:
         source = spec.model.pretrained
     else:
+        from hfscale.mesh import save_for_reload
+
         path = Path(scratch_dir) / "lora_base"
-        model.save_pretrained(path)
+        save_for_reload(model, path)  # bf16 on disk (one copy per rank), loaded back as float32 below
         source = str(path)
     kwargs = bnb_config_kwargs(spec.strategy.precision)
     kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])

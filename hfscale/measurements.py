@@ -320,8 +320,8 @@ class VerificationRecord:
     """accelerate's ``ParallelismConfig`` mesh as dimension name -> size (``dp_replicate``, ``dp_shard``, ``tp``,
     ``cp``, ``sp``); None without one."""
     linear_weight_placements: str | None = None
-    """DTensor placements of one Linear weight (``(Shard(dim=0),)``), showing how tensor parallelism split it;
-    None when the weight is a plain tensor."""
+    """DTensor placements of one Linear weight per named mesh dimension (``tp=Shard(dim=0)``; ``(Shard(dim=0),)``
+    for an unnamed mesh), showing how tensor parallelism split it; None when the weight is a plain tensor."""
 
     @property
     def params_local_max(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,18 +152,43 @@ def tp_plan_problem(config: PretrainedConfig, strategy: Strategy) -> str | None:
     )
 
 
+def save_for_reload(model: PreTrainedModel, path: str | os.PathLike[str]) -> None:
+    """Save ``model`` to be loaded straight back (tensor parallel, QLoRA), its fp32 tensors stored in bf16.
+
+    Every rank saves its own copy into its own scratch folder (a rank cannot know when another has finished
+    writing before the process group exists), so the copy is kept at half the bytes: 8 ranks of a Llama-3.2-1B
+    write 8 x 2.5 GB instead of 8 x 5 GB. Load it back with ``dtype=torch.float32``: the weights are then the
+    seeded random ones rounded to bf16 (identical on every rank), which a trial of random weights does not notice.
+    Tied tensors stay tied (one cast per shared storage).
+    """
+    import torch
+
+    casts: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.dtype != torch.float32:
+            state[name] = tensor
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in casts:
+            casts[key] = tensor.to(torch.bfloat16)
+        state[name] = casts[key]
+    model.save_pretrained(path, state_dict=state)
+
+
 def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir: str | os.PathLike[str]) -> Any:
     """``model`` loaded back sharded over ``strategy.parallelism.tp`` ranks along its tensor-parallel plan.
 
     ``from_config`` takes no plan, so the (random) model is saved into ``scratch_dir/tp-model`` and loaded with
     ``from_pretrained(path, tp_plan="auto", tp_size=tp)``: every rank builds the same seeded model and saves its
-    own copy, so nothing is shared between ranks. Call it inside the process group (after the launcher set
-    ``RANK``/``WORLD_SIZE``). Returns ``model`` unchanged when no tensor parallelism is asked.
+    own copy (in bf16, :func:`save_for_reload`), so nothing is shared between ranks. Call it inside the process
+    group (after the launcher set ``RANK``/``WORLD_SIZE``). Returns ``model`` unchanged when no tensor
+    parallelism is asked.
     """
     if not tensor_parallel(strategy):
         return model
     path = Path(scratch_dir) / "tp-model"
-    model.save_pretrained(path)
+    save_for_reload(model, path)
     tp = strategy.parallelism.tp  # type: ignore[union-attr]
     try:  # transformers >= 5.x; tp_plan/tp_size as from_pretrained keywords are deprecated there
         from transformers.distributed import DistributedConfig
@@ -304,18 +330,58 @@ def _mesh_sizes(state: Any) -> dict[str, int] | None:
     if pc is None:
         return None
     sizes = {n: int(getattr(pc, f"{n}_size", 1) or 1) for n in MESH_DIMS}
+    # The config is what hfscale passed; the sequence-parallel size is read from the groups DeepSpeed built.
+    sizes["sp"] = _deepspeed_sequence_parallel_size()
     return {n: s for n, s in sizes.items() if s > 1}
 
 
+def _deepspeed_sequence_parallel_size() -> int:
+    """The size of the sequence-parallel group DeepSpeed built in this process, 1 when it built none (or DeepSpeed
+    is missing or not started). deepspeed 0.19.8 has no public reader: this is the one accelerate itself calls
+    (``deepspeed.utils.groups._get_sequence_parallel_world_size``), which answers 1 without a group."""
+    try:
+        from deepspeed import comm as ds_dist
+        from deepspeed.utils import groups
+    except ImportError:
+        return 1
+    try:
+        if not ds_dist.is_initialized():
+            return 1
+        return int(groups._get_sequence_parallel_world_size())
+    except (AttributeError, AssertionError, KeyError, RuntimeError):
+        return 1
+
+
+TP_DIM = "tp"
+"""The name of the tensor-parallel mesh dimension: accelerate's ``ParallelismConfig`` mesh and the mesh
+transformers builds for ``DistributedConfig(tp_plan="auto")`` both call it ``tp`` (measured on CPU: a Linear weight
+of the tp=2 trial is recorded ``tp=Shard(dim=0)``). A mesh without names falls back to any ``Shard``."""
+
+
 def _linear_weight_placements(model: Any) -> str | None:
-    """``str(placements)`` of the first ``nn.Linear`` weight that is a DTensor, None when every one is plain."""
+    """The placements of the first ``nn.Linear`` weight that is a DTensor, None when every one is plain: per named
+    mesh dimension (``"tp=Shard(dim=0)"``, ``"dp_shard=Shard(dim=0), tp=Shard(dim=0)"``) when its mesh names them, else
+    ``str(placements)`` (``"(Shard(dim=0),)"``)."""
     import torch
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and isinstance(module.weight, DTensor):
-            return str(tuple(module.weight.placements))
+            placements = tuple(module.weight.placements)
+            names = getattr(module.weight.device_mesh, "mesh_dim_names", None)
+            if names and len(names) == len(placements):
+                return ", ".join(f"{n}={p!r}" for n, p in zip(names, placements, strict=True))
+            return str(placements)
     return None
+
+
+def placements_by_dim(placements: str | None) -> dict[str, str] | None:
+    """A recorded placements string read back per mesh dimension (``{"tp": "Shard(dim=0)"}``), None when it names
+    no dimension (an unnamed mesh's ``"(Shard(dim=0),)"``, or no DTensor)."""
+    if not placements:
+        return None
+    pairs = re.findall(r"(\w+)=(\w+\([^)]*\))", placements)
+    return dict(pairs) or None
 
 
 def collect(trainer: Trainer) -> dict[str, Any]:
@@ -335,9 +401,10 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     """How the mesh that ran differs from ``strategy.parallelism``, one sentence each (empty: it took effect).
 
     The mesh accelerate built must have the asked sizes; under tensor parallelism a Linear weight must be a
-    DTensor sharded (``Shard``) over it; a weight that is a plain tensor is the fallback this catches (the model was
-    not loaded with its plan, or a library dropped it). A record from before these fields were read (``device_mesh``
-    None without any mesh asked) is left alone.
+    DTensor sharded (``Shard``) over it, over the ``tp`` dimension where the mesh names its dimensions (FSDP2
+    shards the same weight over ``dp_shard``, which is no proof of tensor parallelism); a weight that is a plain
+    tensor is the fallback this catches (the model was not loaded with its plan, or a library dropped it). A
+    record from before these fields were read (``device_mesh`` None without any mesh asked) is left alone.
     """
     problems: list[str] = []
     p = strategy.parallelism
@@ -347,11 +414,19 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
         want = ", ".join(f"{k} {v}" for k, v in asked.items())
         problems.append(f"the device mesh that ran is {ran}, parallelism asks for {want}")
     if tensor_parallel(strategy):
+        by_dim = placements_by_dim(rec.linear_weight_placements)
         if rec.linear_weight_placements is None:
             problems.append(
                 f"the Linear weights are plain tensors, parallelism.tp={p.tp} asks for them sharded: the model was "  # type: ignore[union-attr]
                 "not split along its tensor-parallel plan"
             )
+        elif by_dim is not None:  # a named mesh: FSDP2's own Shard over dp_shard is not tensor parallel
+            if "Shard" not in by_dim.get(TP_DIM, ""):
+                problems.append(
+                    f"a Linear weight is placed {rec.linear_weight_placements}, parallelism.tp={p.tp} asks for it "  # type: ignore[union-attr]
+                    f"sharded over the {TP_DIM!r} mesh dimension: the model was not split along its tensor-parallel "
+                    "plan"
+                )
         elif "Shard" not in rec.linear_weight_placements:
             problems.append(
                 f"a Linear weight is placed {rec.linear_weight_placements} (replicated), parallelism.tp={p.tp} asks "  # type: ignore[union-attr]
@@ -376,7 +451,9 @@ __all__ = [
     "model_types_with_tp_plan",
     "needed_on_cpu",
     "parallelism_config",
+    "placements_by_dim",
     "prepare_trial",
+    "save_for_reload",
     "script_lines",
     "shared_batch",
     "tensor_parallel",

@@ -58,7 +58,7 @@ def tp_record(**changes) -> VerificationRecord:
         optimizer_implementation="foreach",
         global_batch_size=4,
         device_mesh={"tp": 2},
-        linear_weight_placements="(Shard(dim=0),)",
+        linear_weight_placements="tp=Shard(dim=0)",
     )
     return dataclasses.replace(base, **changes)
 
@@ -158,14 +158,114 @@ def test_plain_weights_while_tp_was_asked_are_caught():
     problems = check(TP2_CPU, fallback)
     assert any("Linear weights are plain tensors, parallelism.tp=2" in p for p in problems)
     assert any("device mesh that ran is none, parallelism asks for tp 2" in p for p in problems)
-    replicated = tp_record(linear_weight_placements="(Replicate(),)")
+    replicated = tp_record(linear_weight_placements="(Replicate(),)")  # an unnamed mesh
     assert any("(replicated)" in p for p in check(TP2_CPU, replicated))
+    assert check(TP2_CPU, tp_record(linear_weight_placements="(Shard(dim=0),)")) == []
+    named = tp_record(linear_weight_placements="tp=Replicate()")
+    assert any("sharded over the 'tp' mesh dimension" in p for p in check(TP2_CPU, named))
+
+
+def test_fsdp2_shard_alone_does_not_pass_for_tensor_parallel():
+    """Under dp_shard x tp FSDP2 shards every weight over dp_shard itself: the record names each mesh dimension,
+    and only a Shard on the tp dimension counts as tensor parallel."""
+    both = "dp_shard=Shard(dim=0), tp=Shard(dim=0)"
+    assert mesh.placements_by_dim(both) == {"dp_shard": "Shard(dim=0)", "tp": "Shard(dim=0)"}
+    assert mesh.placements_by_dim("(Shard(dim=0),)") is None
+    strided = "dp_shard=_StridedShard(dim=0, sf=2), tp=Shard(dim=0)"
+    assert mesh.placements_by_dim(strided)["tp"] == "Shard(dim=0)"
+    record = tp_record(world_size=4, device_mesh={"dp_shard": 2, "tp": 2})
+    assert mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=both)) == []
+    assert mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=strided)) == []
+    for fsdp_only in ("dp_shard=Shard(dim=0), tp=Replicate()", "dp_shard=Shard(dim=0)"):
+        problems = mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=fsdp_only))
+        assert problems == [
+            f"a Linear weight is placed {fsdp_only}, parallelism.tp=2 asks for it sharded over the 'tp' mesh "
+            "dimension: the model was not split along its tensor-parallel plan"
+        ]
+
+
+def test_placements_recorded_per_named_mesh_dimension(tmp_path: Path):
+    """Read from a real DTensor on a named 2-D mesh (one gloo process, sizes 1 x 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+        linear = torch.nn.Linear(4, 4)
+        linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.data, device_mesh, [Shard(0), Replicate()]))
+        recorded = mesh._linear_weight_placements(torch.nn.Sequential(linear))
+        assert recorded == "dp_shard=Shard(dim=0), tp=Replicate()"
+        assert "'tp' mesh dimension" in mesh.check(FSDP2_TP2, tp_record(linear_weight_placements=recorded))[-1]
+        unnamed = init_device_mesh("cpu", (1,))
+        linear.weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), unnamed, [Shard(0)]))
+        assert mesh._linear_weight_placements(torch.nn.Sequential(linear)) == "(Shard(dim=0),)"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepspeed_sequence_parallel_read_from_the_groups_deepspeed_built(monkeypatch):
+    """With sp_backend="deepspeed" accelerate builds no torch mesh, so the config is all the state holds: that is
+    what hfscale passed, not what ran. The sp size is read from DeepSpeed's groups; none built is sp 1, caught."""
+    from types import SimpleNamespace
+
+    import deepspeed.comm
+    from deepspeed.utils import groups
+
+    from hfscale.strategy import DeepSpeedSpec
+
+    strategy = Strategy(
+        name="sp2", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=1), parallelism=ParallelismSpec(sp=2)
+    )
+    state = SimpleNamespace(device_mesh=None, parallelism_config=mesh.parallelism_config(strategy))
+    not_built = mesh._mesh_sizes(state)  # no process group here: DeepSpeed built no sequence-parallel group
+    assert not_built == {}
+    problems = mesh.check(strategy, tp_record(device_mesh=not_built, linear_weight_placements=None))
+    assert problems == ["the device mesh that ran is none, parallelism asks for sp 2"]
+
+    class Mpu:
+        @staticmethod
+        def get_sequence_parallel_world_size() -> int:
+            return 2
+
+    monkeypatch.setattr(deepspeed.comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(groups, "mpu", Mpu())
+    monkeypatch.setattr(groups, "mesh_device", None)
+    built = mesh._mesh_sizes(state)
+    assert built == {"sp": 2}
+    assert mesh.check(strategy, tp_record(device_mesh=built, linear_weight_placements=None)) == []
 
 
 def test_global_batch_counts_the_shared_batch_once():
     """Both tp ranks train on the same samples: 4 per step, not 8 (hfscale.mesh.shared_batch)."""
     assert TP2_CPU.global_batch_size == 4
     assert mesh.shared_batch() == (1, 1)  # no accelerate state in this process
+
+
+def test_the_model_reloaded_for_tp_and_qlora_is_saved_in_bf16_and_loads_as_fp32(tmp_path: Path):
+    """Each rank saves its own copy of the model to reload (tp, QLoRA): in bf16, half the bytes of fp32; loaded
+    back as float32, the weights are the originals rounded to bf16, tied weights still tied."""
+    import torch
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, tie_word_embeddings=True))
+    mesh.save_for_reload(model, tmp_path / "half")
+    model.save_pretrained(tmp_path / "full")
+    with safe_open(tmp_path / "half" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (not iterable)
+    half, full = ((tmp_path / d / "model.safetensors").stat().st_size for d in ("half", "full"))
+    assert half < 0.55 * full
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    original = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, original[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert model.dtype == torch.float32  # the trial's model is left as it was
 
 
 # -- tensor parallel on 2 CPU processes, through the Trainer ---------------------------------------------------------
@@ -196,7 +296,7 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     v = outcome.verification
     assert v.device_mesh == {"tp": 2}
     assert v.linear_layer == "model.layers.0.self_attn.q_proj"
-    assert v.linear_weight_placements == "(Shard(dim=0),)"
+    assert v.linear_weight_placements == "tp=Shard(dim=0)"  # transformers names its 1-D mesh's dimension
     assert v.wrapper == "none" and v.distributed_type == "MULTI_CPU" and v.world_size == 2
     # Embeddings and norms stay whole; the split Linears are halved, so each rank holds well under all of it.
     assert v.params_local_per_rank[0] == v.params_local_per_rank[1] < v.params_total

@@ -148,6 +148,14 @@ def test_hsdp_on_two_machines(hsdp_2x2):
     print(f"HSDP 2x2 launch: {wall_s:.1f} s wall")
 
 
+def test_fp32_loss_curves_agree_between_ddp_and_hsdp(ddp_2x2, hsdp_2x2):
+    """Same seed, data and global batch: DDP and HSDP on 2 x 2 train the same model, so their fp32 loss curves
+    agree to float tolerance (a loss scaled by the world size, ranks that saw the wrong data, or a shard that
+    never synchronised would show here)."""
+    ddp, hsdp = (fixture[0][0].launched.measured.loss_curve for fixture in (ddp_2x2, hsdp_2x2))
+    assert hsdp == pytest.approx(ddp, rel=2e-3)
+
+
 # -- what a fallback would look like, caught by the check ----------------------------------------------------------
 
 HSDP = two_by_two("hsdp", fsdp=FsdpSpec(version=2, sharding="hybrid_shard"))

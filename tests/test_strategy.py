@@ -219,6 +219,17 @@ def test_unset_optimizer_is_the_installed_trainers_default() -> None:
         ({"num_processes": 2, "parallelism": {"dp_shard": 2}}, r"dp_shard/cp > 1 need strategy.fsdp with version 2"),
         ({"lora": {"quantize_base": "4bit"}, "deepspeed": DeepSpeedSpec()}, r"lora.quantize_base='4bit' with"),
         (
+            {"data_parallel": "dp", "num_processes": 2, "lora": {"quantize_base": "4bit"}},
+            r"data_parallel='dp' with lora.quantize_base='4bit'",
+        ),
+        (
+            {"num_processes": 2, "fsdp": FsdpSpec(version=1), "parallelism": {"tp": 2}},
+            r"parallelism with fsdp.version=1",
+        ),
+        ({"num_processes": 2, "fsdp": FsdpSpec(), "parallelism": {"tp": 2}}, r"needs dp_shard or cp > 1"),
+        ({"num_processes": 2, "fsdp": FsdpSpec(), "parallelism": {"dp_replicate": 2}}, r"needs dp_shard or cp > 1"),
+        ({"num_processes": 2, "deepspeed": DeepSpeedSpec(), "parallelism": {"tp": 2}}, r"tp/cp > 1 with strategy"),
+        (
             {"activation_offload": True, "data_parallel": "dp", "num_processes": 2},
             r"activation_offload=True with strategy.data_parallel='dp'",
         ),

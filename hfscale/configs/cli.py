@@ -227,6 +227,11 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
         raise StrategyError(f"--tp {args.tp}: expected a positive divisor of --num-processes {args.num_processes}")
     rest = args.num_processes // args.tp
     if args.fsdp is not None:
+        if rest == 1:
+            raise StrategyError(
+                f"--tp {args.tp} --fsdp with --num-processes {args.num_processes}: FSDP2 needs processes left to "
+                "shard over (--num-processes > --tp)"
+            )
         return ParallelismSpec(tp=args.tp, dp_shard=rest)
     if rest > 1:  # accelerate composes tp with sharded data parallel only
         raise StrategyError(
