@@ -266,3 +266,44 @@ def test_load_run_of_a_missing_folder_names_it(tmp_path: Path) -> None:
         hfscale.load_run(tmp_path / "nope")
     write_run(tmp_path / "empty", [])
     assert len(hfscale.load_run(tmp_path / "empty")) == 0
+
+
+def test_a_lora_fastest_is_said_to_be_a_different_job() -> None:
+    """LoRA trains adapters only: recommending it as "fastest" against full training without saying so would
+    compare two jobs as if they were one."""
+    from hfscale.strategy import LoraSpec
+
+    base = Strategy(name="baseline")
+    rows = [
+        ok_row("baseline", base, 10.0, 8.0, is_baseline=True),
+        ok_row("lora", base.replace(name="lora", lora=LoraSpec()), 14.0, 5.0),
+    ]
+    rec = report.summarize(rows).recommendation
+    lines = ["".join(s.text for s in line) for line in rec.lines]
+    assert rec.fastest == "lora"
+    assert any("lora trains LoRA adapters with the base frozen, a different job" in line for line in lines), lines
+    plain = [
+        ok_row("baseline", base, 10.0, 8.0, is_baseline=True),
+        ok_row("bf16", base.replace(name="bf16"), 14.0, 5.0),
+    ]
+    lines = ["".join(s.text for s in line) for line in report.summarize(plain).recommendation.lines]
+    assert not any("a different job" in line for line in lines)
+
+
+def test_a_max_batch_fastest_is_said_to_run_at_another_batch() -> None:
+    from hfscale.batch_search import BatchSearchRecord
+
+    base = Strategy(name="baseline")
+    bigger = base.replace(name="baseline-maxbatch", per_device_batch_size=32)
+    rows = [
+        ok_row("baseline", base, 10.0, 8.0, is_baseline=True),
+        ok_row(
+            "baseline-maxbatch",
+            bigger,
+            14.0,
+            9.0,
+            batch_search=BatchSearchRecord(searched=False, max_batch_of="baseline"),
+        ),
+    ]
+    lines = ["".join(s.text for s in line) for line in report.summarize(rows).recommendation.lines]
+    assert any("baseline-maxbatch runs baseline at its largest batch" in line for line in lines), lines

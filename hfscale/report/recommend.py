@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hfscale.report.columns import is_missing
 from hfscale.report.machine import GIB, format_bytes
 from hfscale.report.noise import Groups, memory_tie, speed_tie
 from hfscale.report.text import Text, rich
@@ -199,6 +200,32 @@ def _frugal_lines(candidates: pd.DataFrame, groups: Mapping[str, Groups]) -> tup
     return best, lines
 
 
+def _other_job_lines(fastest: pd.Series, frame: pd.DataFrame) -> list[Text]:
+    """What makes the recommended trial a different job from the baseline's, said beside the recommendation: a
+    larger batch (a ``-maxbatch`` row) or LoRA (adapters trained, the base frozen) are faster partly because they
+    do less or other work per sample, which samples/s alone does not show."""
+    baseline = frame[frame["is_baseline"].fillna(False).astype(bool)]
+    lines = []
+    if not is_missing(fastest.get("max_batch_of")):
+        lines.append(
+            rich(
+                "**{name}** runs {of} at its largest batch: the comparison is samples/s at a different batch size "
+                "(optimisation changes with the batch; tune the learning rate before you adopt it).",
+                name=fastest["trial"],
+                of=fastest["max_batch_of"],
+            )
+        )
+    if bool(fastest.get("lora")) and not (len(baseline) and bool(baseline["lora"].iloc[0])):
+        lines.append(
+            rich(
+                "**{name}** trains LoRA adapters with the base frozen, a different job from the baseline's full "
+                "training: its speed says nothing about the quality a run reaches.",
+                name=fastest["trial"],
+            )
+        )
+    return lines
+
+
 def recommend(
     frame: pd.DataFrame, budget: int | None, source: str, groups: Mapping[str, Groups] | None = None
 ) -> Recommendation:
@@ -277,6 +304,8 @@ def recommend(
                     fit=_fit_text(smallest),
                 )
             )
+    if fastest is not None:
+        lines += _other_job_lines(fastest, frame)
     frugal, said = _frugal_lines(candidates, groups)
     lines += said
     if candidates["peak_reserved_gib"].notna().any():

@@ -136,6 +136,7 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
         "trial": name,
         "description": describe(first),
         "compiled": first.strategy.torch_compile is not None,
+        "lora": first.strategy.lora is not None,
         "status": status,
         "reason": reason,
         "is_baseline": any(r.is_baseline for r in group),
