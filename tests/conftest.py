@@ -45,6 +45,43 @@ TINY_BERT = dict(
 TINY_GPT2 = dict(vocab_size=30522, n_embd=64, n_layer=2, n_head=2, n_positions=512)
 
 
+def launch_as_sweep(
+    tmp_path, strategy, *, steps: int = 4, num_samples: int = 64, seq_len: int = 64, timeout_s: int = 600
+):
+    """Run one trial of tiny BERT as the sweep launches it (``write_configs``, then ``accelerate launch ... -m
+    hfscale.trial``) and return its outcome; fails with the trial's stderr when it did not run, when it is not
+    ``ok``, or when its loss curve is not ``steps`` finite values. The first DeepSpeed use JIT-builds its CPU ops
+    (minutes, cached under TORCH_EXTENSIONS_DIR): hence the long default time limit."""
+    import math
+    import subprocess
+
+    from hfscale.configs import launch_command, write_configs
+    from hfscale.process import free_port
+    from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
+    from hfscale.trial import read_outcome
+
+    spec = TrialSpec(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="bert", config=TINY_BERT),
+        data=DataSpec(num_samples=num_samples, seq_len=seq_len),
+        measure=MeasureSpec(max_steps=steps, warmup_steps=1),
+    )
+    configs = write_configs(strategy, tmp_path)  # as the sweep does: FSDP's block class is the runner's to find
+    spec.write(tmp_path / "spec.json")
+    result = tmp_path / "result.json"
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(result)]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    outcome = read_outcome(result)
+    assert outcome.status == "ok", outcome.mismatches
+    assert len(outcome.loss_curve) == steps
+    assert all(math.isfinite(x) for x in outcome.loss_curve), outcome.loss_curve
+    return outcome
+
+
 @pytest.fixture
 def tiny_bert():
     """A 2-layer, hidden-64 BERT classifier with random weights (about 2M parameters, mostly embeddings)."""

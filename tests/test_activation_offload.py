@@ -9,14 +9,11 @@ The two real runs are launched as the sweep launches a trial (``accelerate launc
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_BERT
+from conftest import TINY_BERT, launch_as_sweep
 
 from hfscale.activation_offload import (
     ActivationOffload,
@@ -26,13 +23,10 @@ from hfscale.activation_offload import (
     deepspeed_options_in_use,
     offload_activations,
 )
-from hfscale.configs import deepspeed_config, launch_command, write_configs
+from hfscale.configs import deepspeed_config
 from hfscale.measurements import VerificationRecord
-from hfscale.process import free_port
 from hfscale.results import TrialOutcome
-from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import DeepSpeedSpec, Strategy
-from hfscale.trial import read_outcome
 
 STEPS = 4
 # The first DeepSpeed use JIT-builds its CPU ops (minutes, cached under TORCH_EXTENSIONS_DIR).
@@ -44,27 +38,8 @@ def _cpu(name: str, **fields) -> Strategy:
 
 
 def launch(tmp_path: Path, strategy: Strategy) -> TrialOutcome:
-    """One trial as the sweep runs it; fails with the trial's stderr when it did not run."""
-    spec = TrialSpec(
-        name=strategy.name,
-        strategy=strategy,
-        model=ModelSpec(type="bert", config=TINY_BERT),
-        data=DataSpec(num_samples=32, seq_len=64),
-        measure=MeasureSpec(max_steps=STEPS, warmup_steps=1),
-    )
-    configs = write_configs(strategy, tmp_path)
-    spec.write(tmp_path / "spec.json")
-    result = tmp_path / "result.json"
-    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(result)]
-    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
-    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
-    outcome = read_outcome(result)
-    assert outcome.status == "ok", outcome.mismatches
-    assert len(outcome.loss_curve) == STEPS
-    assert all(math.isfinite(x) for x in outcome.loss_curve), outcome.loss_curve
-    return outcome
+    """One trial as the sweep runs it (``conftest.launch_as_sweep``)."""
+    return launch_as_sweep(tmp_path, strategy, steps=STEPS, num_samples=32)
 
 
 # -- real runs -----------------------------------------------------------------------------------------------------

@@ -11,20 +11,13 @@ result.json`` runs it. Tiny BERT (hidden 64, 2 layers), 64-token sequences, 4 op
 
 from __future__ import annotations
 
-import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY_BERT
+from conftest import launch_as_sweep
 
-from hfscale.configs import launch_command, write_configs
-from hfscale.process import free_port
 from hfscale.results import TrialOutcome
-from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 from hfscale.strategy import FsdpSpec, Strategy
-from hfscale.trial import read_outcome
 from hfscale.verify import check
 
 STEPS = 4
@@ -34,28 +27,9 @@ LAUNCH_TIMEOUT_S = 600
 
 def launch(tmp_path: Path, strategy: Strategy) -> TrialOutcome:
     """Run one trial as the sweep does and return its result; fail with the trial's stderr if it did not run."""
-    spec = TrialSpec(
-        name=strategy.name,
-        strategy=strategy,
-        model=ModelSpec(type="bert", config=TINY_BERT),
-        data=DataSpec(num_samples=64, seq_len=64),
-        measure=MeasureSpec(max_steps=STEPS, warmup_steps=1),
-    )
-    configs = write_configs(strategy, tmp_path)  # as the sweep does: FSDP's block class is the runner's to find
-    spec.write(tmp_path / "spec.json")
-    result = tmp_path / "result.json"
-    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(result)]
-    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
-    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
-    outcome = read_outcome(result)
-    assert outcome.status == "ok", outcome.mismatches
+    outcome = launch_as_sweep(tmp_path, strategy, steps=STEPS)
     # The runner's own check agrees with a fresh one on the stored record.
     assert check(strategy, outcome.verification) == []
-    assert len(outcome.loss_curve) == STEPS
-    assert all(math.isfinite(x) and 0 < x < 5 for x in outcome.loss_curve), outcome.loss_curve
-    assert outcome.world_size == strategy.num_processes
     return outcome
 
 
