@@ -60,6 +60,7 @@ from hfscale.batch_search import (
 )
 from hfscale.device_lock import DeviceBusyError
 from hfscale.launch import LaunchInfo, launch_group, launch_trial
+from hfscale.machine_channel import Coordinator
 from hfscale.plan import (
     NO_BUDGET,
     PlannedRun,
@@ -74,7 +75,7 @@ from hfscale.recipe import Recipe, RecipeTrial, load_recipe
 from hfscale.results import TrialResult
 from hfscale.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
 from hfscale.spec import TrialSpec
-from hfscale.sweep_machines import Coordinator, lead_run, write_received_environments
+from hfscale.sweep_machines import lead_run, write_received_environments
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class Sweep:
         import socket
         import uuid
 
-        from hfscale.sweep_machines import Coordinator, check_port_block, coordination_port
+        from hfscale.sweep_machines import check_port_block, coordination_port
 
         sweep_id = uuid.uuid4().hex
         try:

@@ -23,19 +23,13 @@ import pytest
 import yaml
 
 from hfscale.launch import LaunchInfo
+from hfscale.machine_channel import SILENT_AFTER_S, Coordinator, Follower
 from hfscale.plan import SweepError, SweepSettings
 from hfscale.results import LaunchRecord, TrialResult
 from hfscale.run_folder import RunFolder
 from hfscale.slurm import PORT_BASE, PORT_BLOCK, PORT_JOBS, SlurmJob
 from hfscale.strategy import Strategy
-from hfscale.sweep_machines import (
-    SILENT_AFTER_S,
-    Coordinator,
-    Follower,
-    MachineReport,
-    machine_ranks,
-    merge_machine_reports,
-)
+from hfscale.sweep_machines import MachineReport, machine_ranks, merge_machine_reports
 
 TINY = {
     "vocab_size": 1000,
@@ -477,17 +471,17 @@ def test_a_slow_start_on_another_machine_is_not_taken_for_a_dead_driver(tmp_path
     import threading
 
     import hfscale.environment
-    import hfscale.sweep_machines as sm
+    import hfscale.machine_channel as mc
     from hfscale.sweep_machines import follow_sweep, write_received_environments
 
-    monkeypatch.setattr(sm, "SILENT_AFTER_S", 1.0)
-    monkeypatch.setattr(sm, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(mc, "SILENT_AFTER_S", 1.0)
+    monkeypatch.setattr(mc, "HEARTBEAT_S", 0.2)
     port = _free_port_block(40000, 50000, 1)
     coordinator = Coordinator(port)
     silent: list[float | None] = []
 
     def slow_probe(**_: object) -> dict:
-        time.sleep(sm.SILENT_AFTER_S + 1)
+        time.sleep(mc.SILENT_AFTER_S + 1)
         silent.append(coordinator.silent_for(1))
         return {"python": "3.x", "gpu_count": 0}
 
@@ -496,7 +490,7 @@ def test_a_slow_start_on_another_machine_is_not_taken_for_a_dead_driver(tmp_path
         coordinator.publish("plan", _plan(tmp_path))
         launch = LaunchInfo(machine_rank=1, num_machines=2, master_addr="127.0.0.1", master_port=port)
         follow_sweep(launch, out_dir=tmp_path / "out")
-        assert silent and silent[0] is not None and silent[0] < sm.SILENT_AFTER_S, silent
+        assert silent and silent[0] is not None and silent[0] < mc.SILENT_AFTER_S, silent
         assert not any(t.name == "hfscale-heartbeat" and t.is_alive() for t in threading.enumerate())
         (tmp_path / "run").mkdir()
         assert [p.name for p in write_received_environments(coordinator, tmp_path / "run")] == ["machine-1.json"]
@@ -508,7 +502,7 @@ def test_a_slow_start_on_another_machine_is_not_taken_for_a_dead_driver(tmp_path
 
 
 def test_a_late_machine_is_a_consequence_and_machine_0s_own_oom_stays_first() -> None:
-    from hfscale.sweep_machines import Absent
+    from hfscale.machine_channel import Absent
 
     port = _free_port_block(40000, 50000, 1)
     coordinator = Coordinator(port)
@@ -533,10 +527,10 @@ def test_a_late_machine_is_a_consequence_and_machine_0s_own_oom_stays_first() ->
 
 
 def test_put_until_retries_and_gives_up_when_machine_0_is_gone(monkeypatch) -> None:
-    import hfscale.sweep_machines as sm
-    from hfscale.sweep_machines import MachineZeroGone
+    import hfscale.machine_channel as mc
+    from hfscale.machine_channel import MachineZeroGone
 
-    monkeypatch.setattr(sm, "SILENT_AFTER_S", 1.0)
+    monkeypatch.setattr(mc, "SILENT_AFTER_S", 1.0)
     port = _free_port_block(40000, 50000, 1)
     follower = Follower("127.0.0.1", port, 1)
     start = time.monotonic()
@@ -554,7 +548,8 @@ def test_put_until_retries_and_gives_up_when_machine_0_is_gone(monkeypatch) -> N
 def test_the_channel_needs_the_shared_token_and_takes_only_a_machines_own_keys(tmp_path: Path, monkeypatch) -> None:
     import http.client
 
-    from hfscale.sweep_machines import MAX_BODY_BYTES, TOKEN_ENV, ChannelRefused, follow_sweep
+    from hfscale.machine_channel import MAX_BODY_BYTES, TOKEN_ENV, ChannelRefused
+    from hfscale.sweep_machines import follow_sweep
 
     port = _free_port_block(40000, 50000, 1)
     coordinator = Coordinator(port, token="s3cret")
