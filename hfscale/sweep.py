@@ -1,12 +1,12 @@
 """The sweep: run every trial of a recipe, each as its own freshly launched process group, and record each result.
 
 Three ways to start it, the same program: ``hfscale sweep RECIPE``, ``python -m hfscale.sweep RECIPE``, and
-``accelerate launch --num_processes N -m hfscale.sweep RECIPE``. Under a launcher, one process per machine (local rank 0) is the *driver*; the other ranks exit at once (status
-0). The driver launches each trial as its own process group (:mod:`hfscale.launch`); a trial that does not pin
-``num_processes``/``num_machines`` in the recipe gets the outer launch's counts (or ``--num-processes``/
-``--num-machines``). On several machines each runs a driver (``--machine-rank K``, or an outer launch across
-machines): machine 0's plans, writes the rows and the report; the others follow its plan
-(:mod:`hfscale.sweep_machines`).
+``accelerate launch --num_processes N -m hfscale.sweep RECIPE``. Under a launcher, one process per machine (local
+rank 0) is the *driver*; the other ranks exit at once (status 0). The driver launches each trial as its own process
+group (:mod:`hfscale.launch`); a trial that does not pin ``num_processes``/``num_machines`` in the recipe gets the
+outer launch's counts (or ``--num-processes``/ ``--num-machines``). On several machines each runs a driver
+(``--machine-rank K``, or an outer launch across machines): machine 0's plans, writes the rows and the report; the
+others follow its plan (:mod:`hfscale.sweep_machines`).
 
 A failed trial is a row, not the end of the sweep: ``oom``, ``crashed`` (exit code or signal), ``timeout`` (the
 whole group is killed), ``not_applied`` (the trial ran something other than its strategy), ``skipped`` (a missing
@@ -583,14 +583,11 @@ __all__ = [
     "DEFAULT_OUT_DIR",
     "INTERRUPTED_EXIT",
     "STOPPED_EXIT",
-    "LaunchInfo",
     "Sweep",
     "SweepError",
     "SweepInterrupted",
     "SweepOutcome",
-    "SweepSettings",
     "SweepStopped",
-    "memory_budget",
     "run_sweep",
 ]
 
