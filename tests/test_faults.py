@@ -173,11 +173,16 @@ def test_two_sweeps_at_once_take_turns_on_the_device_and_leave_nothing_in_the_te
     recipes = [_recipe(tmp_path, TWO_PROCESSES), _recipe(tmp_path, {**TWO_PROCESSES, "name": "one", "defaults":
                {**TWO_PROCESSES["defaults"], "num_processes": 1}})]  # fmt: skip
     logs = [open(tmp_path / f"{name}.log", "w+") for name in ("a", "b")]  # noqa: SIM115 (read after)
-    sweeps = [
-        _sweep(str(recipe), "--run-dir", str(tmp_path / name), "--no-report", env=env, stderr=log)
-        for name, recipe, log in zip(("a", "b"), recipes, logs, strict=True)
-    ]
+    sweeps = []
     try:
+        # b starts once a's trial holds the device (its pid file is written after the lock is taken): started
+        # together, b's one short trial could end before a's driver reached the lock, and nothing would contend.
+        sweeps.append(_sweep(str(recipes[0]), "--run-dir", str(tmp_path / "a"), "--no-report", env=env, stderr=logs[0]))
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "a" / "trials" / "ddp" / "pid").exists():
+            assert sweeps[0].poll() is None and time.monotonic() < deadline, "sweep a never launched its trial"
+            time.sleep(0.05)
+        sweeps.append(_sweep(str(recipes[1]), "--run-dir", str(tmp_path / "b"), "--no-report", env=env, stderr=logs[1]))
         for sweep in sweeps:
             assert sweep.wait(timeout=300) == 0
     finally:
