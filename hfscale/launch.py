@@ -483,9 +483,7 @@ def launch_trial(
     after_result = None
     if measured is not None and not launched.exited_cleanly:
         # The trial measured and wrote its result: that stands even if the group then failed to exit cleanly.
-        failure = classify(
-            outcome, launched.stderr_text, timeout_s=launched.timeout_s, memory_limit_bytes=launched.memory_limit_bytes
-        )
+        failure = launched.failure()
         after_result = f"{failure.status}: {failure.reason}"
     record = LaunchRecord(
         command=launched.command,

@@ -271,8 +271,13 @@ class Sweep:
                 self._search(run, row, prefix)
         # sweep.batch: both|max: each searched trial again at its largest batch, after every fixed-batch run.
         for extra in estimate_runs(max_batch_runs(runs, self.stored, self.recipe), budget_bytes=self.budget_bytes):
-            row = self._launch(extra, "[max batch] ", elapsed=time.monotonic() - start)
-            self._append(mark_max_batch(row, extra, self.stored))
+            # Marked before its one append: an unmarked copy on disk would read as an ordinary trial on --resume.
+            self._launch(
+                extra,
+                "[max batch] ",
+                elapsed=time.monotonic() - start,
+                mark=lambda row, extra=extra: mark_max_batch(row, extra, self.stored),
+            )
         rounds = 0
         while more := self._runs_for_precision(runs, len(runs) + rounds):
             rounds += len(more)
@@ -312,7 +317,14 @@ class Sweep:
             more.append(dataclasses.replace(first, repeat=repeat, index=index + len(more)))
         return more
 
-    def _launch(self, run: PlannedRun, prefix: str, *, elapsed: float) -> TrialResult:
+    def _launch(
+        self,
+        run: PlannedRun,
+        prefix: str,
+        *,
+        elapsed: float,
+        mark: Callable[[TrialResult], TrialResult] = lambda row: row,
+    ) -> TrialResult:
         predicted = run.estimate.total_gib if run.estimate is not None else None
         self.progress(
             f"{prefix}{run.label}: {run.trial.spec.strategy.describe()}"
@@ -331,8 +343,9 @@ class Sweep:
             )
         else:
             row = self._launch_here(run, prefix)
+        row = mark(row)
+        self._append(row)  # on disk before anything else can fail
         self.progress(f"{prefix}{run.name}: {row.progress_line()}")
-        self._append(row)
         return row
 
     def _launch_here(self, run: PlannedRun, prefix: str) -> TrialResult:
@@ -355,8 +368,11 @@ class Sweep:
         if row.status == "ok" and row.parity is None and (row.is_baseline or any(r.is_baseline for r in earlier)):
             from hfscale.parity import annotate_rows
 
-            # Copies: the earlier rows stand as they were written.
-            annotate_rows([*(dataclasses.replace(r) for r in earlier), row])
+            try:  # parity is advice on a row; a failure here must not cost the measurement
+                # Copies: the earlier rows stand as they were written.
+                annotate_rows([*(dataclasses.replace(r) for r in earlier), row])
+            except Exception as exc:
+                logger.warning("%s: loss parity not computed (%s: %s)", row.trial, type(exc).__name__, exc)
             if row.parity is not None and row.parity.flagged:
                 self.progress(
                     f"loss parity: {row.trial} departs from the baseline {row.parity.baseline}: {row.parity.reason}"

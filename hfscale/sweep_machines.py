@@ -242,7 +242,14 @@ def lead_run(
     coordinator.publish(f"start/{index}", {"action": "launch"})
     row = launch_here()
     missing = coordinator.wait_for({m: f"report/{index}/{m}" for m in others}, timeout_s=wait_s)
-    reports = {m: MachineReport.from_json(coordinator.value(f"report/{index}/{m}")) for m in others if m not in missing}
+    reports: dict[int, MachineReport] = {}
+    for m in others:
+        if m in missing:
+            continue
+        try:  # a report machine 0 cannot read (another hfscale version) must not cost machine 0's measured row
+            reports[m] = MachineReport.from_json(coordinator.value(f"report/{index}/{m}"))
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            missing[m] = Absent(kind="late", why=f"its report could not be read ({type(exc).__name__}: {exc})")
     dirs = [r.log_dir for _, r in sorted(reports.items())]
     return merge_machine_reports(row, reports, missing, dirs=dirs)
 

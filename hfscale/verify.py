@@ -497,10 +497,12 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
     problems += mesh.check(strategy, rec)
 
     if rec.global_batch_size is not None and rec.global_batch_size != strategy.global_batch_size:
+        # Ranks of one tensor/context/sequence-parallel group share their batch (Strategy.global_batch_size).
+        replicas = strategy.global_batch_size // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)
         problems.append(
             f"{rec.global_batch_size} samples per optimizer step across ranks ran, {strategy.global_batch_size} "
             f"were asked for (batch {strategy.per_device_batch_size} x accumulation "
-            f"{strategy.gradient_accumulation_steps} x {strategy.num_processes} process(es))"
+            f"{strategy.gradient_accumulation_steps} x {replicas} data-parallel replica(s))"
         )
 
     if rec.gradient_checkpointing != strategy.gradient_checkpointing:

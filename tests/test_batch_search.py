@@ -136,7 +136,8 @@ def test_search_trial_counts_the_trials_own_run_and_sizes_each_probe():
 
     record = search_trial(_spec(4), _trial_row("oom"), launch, budget_bytes=None, upper_limit=64, probe_steps=2)
     assert record.searched and record.start_from == "the trial's batch size"
-    assert record.result.max_batch_size is None or record.result.max_batch_size <= 12
+    # Out of memory at 4 (the trial's own run), and every smaller size fits: the answer is 3.
+    assert (record.result.max_batch_size, record.result.first_oom_batch_size) == (3, 4)
     # The trial's own run (out of memory at 4) was the first probe: only smaller sizes were launched.
     assert record.trial_run_batch_size == 4 and all(s.strategy.per_device_batch_size < 4 for s in launched)
     for spec in launched:
@@ -243,6 +244,10 @@ def test_batch_both_adds_a_row_per_strategy_at_the_largest_batch_it_fits(tmp_pat
     assert launched == [("fp32", 0, 4), ("ckpt", 0, 4), ("fp32-maxbatch", 0, 12), ("ckpt-maxbatch", 0, 40)]
     rows = {r.trial: r for r in RunFolder(tmp_path / "run").rows()}
     assert set(rows) == {"fp32", "ckpt", "fp32-maxbatch", "ckpt-maxbatch"}
+    # Each max-batch row is written once, already marked: an unmarked first copy would read as an ordinary trial
+    # to a sweep stopped before the second write and resumed.
+    lines = (tmp_path / "run" / "results.jsonl").read_text(encoding="utf-8").splitlines()
+    assert sum('"trial":"fp32-maxbatch"' in line for line in lines) == 1, lines
     for name, limit in (("fp32", 12), ("ckpt", 40)):
         fixed, best = rows[name], rows[f"{name}-maxbatch"]
         assert fixed.batch_search.result.max_batch_size == limit and fixed.batch_search.max_batch_of is None

@@ -262,6 +262,7 @@ def test_mfu_divides_by_the_tf32_peak_when_tf32_is_on(tf32_on):
 
     args = types.SimpleNamespace(bf16=False, fp16=False, tf32=None)
     assert compute_dtype(args, observed="float32") == "tf32"
+    # H100 SXM dense TF32: 989.4 TFLOP/s with 2:4 sparsity, halved (NVIDIA H100 datasheet; flops.py cites it).
     assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "tf32") == DEVICE_PEAK_FLOPS["H100 SXM"]["tf32"] == 494.7e12
 
 

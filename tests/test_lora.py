@@ -43,6 +43,10 @@ DATA = DataSpec(num_samples=32, seq_len=32, token_high=1000)
 # BERT, peft's default targets query and value (64 -> 64 each): r * (in + out) = 4 * 128 = 512 per module, 2 modules
 # x 2 layers = 2048; peft trains a copy of the classifier for SEQ_CLS: 64 * 2 + 2 = 130. Trainable: 2178.
 BERT_ADAPTER_PARAMS = 2 * 2 * 4 * (64 + 64) + (64 * 2 + 2)
+# TINY_BERT whole: word, position and token-type embeddings + embedding LayerNorm + 2 layers of 33,472 (4 attention
+# Linears 64x64+64, FFN 64x128+128 and 128x64+64, two LayerNorms) + pooler 64x64+64 + classifier 64x2+2.
+BERT_BASE_PARAMS = 30522 * 64 + 512 * 64 + 2 * 64 + 2 * 64 + 2 * 33_472 + 64 * 64 + 64 + 64 * 2 + 2
+BERT_PEFT_TOTAL = BERT_BASE_PARAMS + BERT_ADAPTER_PARAMS  # the base, its LoRA adapters and peft's head copy
 # Llama, targets q_proj (64 -> 64: 4 * 128 = 512) and v_proj (64 -> 32: 4 * 96 = 384), 2 layers: 1792.
 LLAMA_ADAPTER_PARAMS = 2 * (4 * (64 + 64) + 4 * (64 + 32))
 # Llama Linear weights per layer: q 64*64, k 64*32, v 64*32, o 64*64, gate/up/down 64*128 each = 36864; 2 layers.
@@ -109,7 +113,7 @@ def _record(**changes: object) -> VerificationRecord:
         mixed_precision="no",
         wrapper="none",
         wrapper_class="peft.peft_model.PeftModelForSequenceClassification",
-        params_total=2_059_844,
+        params_total=BERT_PEFT_TOTAL,
         linear_layer="query.base_layer",
         linear_output_dtype="float32",
         global_batch_size=4,
@@ -132,7 +136,7 @@ def test_a_record_that_matches_lora_has_no_lora_mismatch():
 
 def test_full_training_under_a_lora_strategy_is_caught():
     """The silent fallback: every parameter trainable (peft never wrapped the model, or the base was unfrozen)."""
-    fell_back = _record(params_trainable=2_059_844, params_adapter=0, lora_layers=0, lora_target_modules=[])
+    fell_back = _record(params_trainable=BERT_PEFT_TOTAL, params_adapter=0, lora_layers=0, lora_target_modules=[])
     problems = lora_problems(lora_strategy(), fell_back)
     assert any("every parameter is trainable (2,059,844 of 2,059,844): full training ran" in p for p in problems)
     assert any("no LoRA adapter layer" in p for p in problems)

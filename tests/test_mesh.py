@@ -41,7 +41,8 @@ FSDP2_TP2 = Strategy(
 
 
 def tp_record(**changes) -> VerificationRecord:
-    """What the tp=2 CPU trial records (measured: tests below): no wrapper, a tp mesh of 2, q_proj's weight split
+    """What the tp=2 CPU trial records (measured, and the parameter counts derived, in
+    test_tensor_parallel_over_two_cpu_processes): no wrapper, a tp mesh of 2, q_proj's weight split
     by rows, the batch counted once for the two ranks that share it."""
     base = VerificationRecord(
         distributed_type="MULTI_CPU",
@@ -298,8 +299,10 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     assert v.linear_layer == "model.layers.0.self_attn.q_proj"
     assert v.linear_weight_placements == "tp=Shard(dim=0)"  # transformers names its 1-D mesh's dimension
     assert v.wrapper == "none" and v.distributed_type == "MULTI_CPU" and v.world_size == 2
-    # Embeddings and norms stay whole; the split Linears are halved, so each rank holds well under all of it.
-    assert v.params_local_per_rank[0] == v.params_local_per_rank[1] < v.params_total
+    # TINY_LLAMA: embedding 256x64 + untied lm_head 256x64 + 2 layers x (4x64^2 + 3x64x128 + 2x64) + final norm 64
+    # = 115,008. Only the norms (2x2x64 + 64 = 320) stay whole; the embedding, lm_head and every Linear are halved.
+    assert v.params_total == 115_008
+    assert v.params_local_per_rank == [(115_008 - 320) // 2 + 320] * 2
     assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
     assert all(math.isfinite(x) for x in outcome.loss_curve)
     assert check(TP2_CPU, v) == []
@@ -328,3 +331,12 @@ def test_tensor_parallel_over_two_gpus(tmp_path: Path):
     assert outcome.status == "ok", outcome.mismatches
     assert outcome.verification.device_mesh == {"tp": 2}
     assert "Shard" in (outcome.verification.linear_weight_placements or "")
+
+
+def test_a_batch_mismatch_names_the_data_parallel_replicas_not_the_processes():
+    """Under tp=2 the two ranks share one batch: the message's factors multiply to the number it explains."""
+    rec = tp_record(global_batch_size=8)
+    problems = check(Strategy(name="tp", device="cpu", per_device_batch_size=4, num_processes=2,
+                              parallelism=ParallelismSpec(tp=2)), rec)  # fmt: skip
+    assert any("8 samples per optimizer step across ranks ran, 4 were asked for (batch 4 x accumulation 1 x 1 "
+               "data-parallel replica(s))" in p for p in problems), problems  # fmt: skip

@@ -143,10 +143,27 @@ def test_rows_without_step_times_get_no_invented_interval(tmp_path: Path) -> Non
     assert "No trial of this run kept its step times" in md
 
 
-def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _two_runs(name: str, mean_s: float, *, seed: int) -> list:
+    return [
+        with_steps(ok_row(name, BASE.replace(name=name), 8 / mean_s, 4.0), noisy_steps(mean_s, 40, seed=seed + r),
+                   repeat=r, repeats=2)
+        for r in range(2)
+    ]  # fmt: skip
+
+
+def test_compare_takes_no_side_on_one_run_a_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The two-run rule of the report holds in compare too: one run a side (whose spread on a shared machine is
+    about 20%) cannot fail a CI job, however far apart the figures are."""
     a = write_run(tmp_path / "a", [_trial("base", 0.10, seed=1), _trial("x", 0.10, seed=2)], ENV)
-    noise = write_run(tmp_path / "noise", [_trial("base", 0.10, seed=3), _trial("x", 0.10, seed=4)], ENV)
     slow = write_run(tmp_path / "slow", [_trial("base", 0.10, seed=5), _trial("x", 0.12, seed=6)], ENV)
+    assert report.compare_main([str(a), str(slow), "--out", str(tmp_path / "c"), "--fail-on-regression", "5"]) == 0
+    assert "x: B is 20." in (out := capsys.readouterr().out) and "not tested (fewer than 2 runs a side)" in out
+
+
+def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = write_run(tmp_path / "a", [*_two_runs("base", 0.10, seed=1), *_two_runs("x", 0.10, seed=10)], ENV)
+    noise = write_run(tmp_path / "noise", [*_two_runs("base", 0.10, seed=20), *_two_runs("x", 0.10, seed=30)], ENV)
+    slow = write_run(tmp_path / "slow", [*_two_runs("base", 0.10, seed=40), *_two_runs("x", 0.12, seed=50)], ENV)
     assert report.compare_main([str(a), str(noise), "--out", str(tmp_path / "c1"), "--fail-on-regression", "5"]) == 0
     assert "x: no significant change" in capsys.readouterr().out
     assert report.compare_main([str(a), str(slow), "--out", str(tmp_path / "c2"), "--fail-on-regression", "5"]) == 1

@@ -11,12 +11,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hfscale import stats
 from hfscale.report.analysis import Summary, summarize_run
 from hfscale.report.columns import COLUMNS, Column, status_cell
 from hfscale.report.machine import env_header, env_items
 from hfscale.report.model import Figure, Report, Section, Table, records
-from hfscale.report.noise import NOISE_THRESHOLD, speed_ratio
+from hfscale.report.noise import MIN_RUNS_FOR_A_RANKING, speed_ratio, speed_verdict
 from hfscale.report.text import plain
 from hfscale.report.write import ReportPaths, write_files
 
@@ -85,20 +84,24 @@ def significance(a: Summary, b: Summary) -> pd.DataFrame:
         )
         ratio = speed_a / speed_b if interval is None else interval.value
         pct = 100 * (ratio - 1)
-        if interval is None:
-            change = "no significant change" if abs(ratio - 1) <= NOISE_THRESHOLD else "not tested"
+        # The report's own verdict, two-run rule included: ratio is A's speed over B's, so "faster" means B slower.
+        runs = min(len(a.step_groups.get(name, [])), len(b.step_groups.get(name, [])))
+        said = speed_verdict(ratio, interval, runs)
+        change = {"faster": "slower", "slower": "faster", "tie": "no significant change", "untested": "not tested"}[
+            said
+        ]
+        if interval is None or said == "untested":
+            why = "no step times" if interval is None else f"fewer than {MIN_RUNS_FOR_A_RANKING} runs a side"
             text = (
-                f"no significant change ({pct:+.1f}%, within the 2% noise threshold; no step times)"
-                if change == "no significant change"
-                else f"B is {abs(pct):.1f}% {'slower' if pct > 0 else 'faster'}: not tested (no step times)"
+                f"no significant change ({pct:+.1f}%, within the 2% noise threshold; {why})"
+                if said == "tie"
+                else f"B is {abs(pct):.1f}% {'slower' if pct > 0 else 'faster'}: not tested ({why})"
             )
         else:
-            verdict = stats.verdict(interval, noise_threshold=NOISE_THRESHOLD)
-            change = {"higher": "slower", "lower": "faster", "tie": "no significant change"}[verdict]
             half = 100 * (interval.high - interval.low) / 2
             text = (
                 f"no significant change ({pct:+.1f}% ± {half:.1f}%)"
-                if verdict == "tie"
+                if said == "tie"
                 else f"B is {abs(pct):.1f}% ± {half:.1f}% {change}"
             )
         records.append(
