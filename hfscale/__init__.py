@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.4.0.dev0"
+"""The one source of hfscale's version: ``pyproject.toml`` reads it (``dynamic = ["version"]``), the installed
+metadata and ``environment.json`` carry it. Bump it with each release (``X.Y.0.dev0`` while X.Y is in progress)."""
 
 _EXPORTS = {
     "MemoryCallback": "hfscale.callbacks",

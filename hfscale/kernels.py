@@ -12,11 +12,15 @@ others. So a trial reads what ran:
 field                          read from
 =============================  =====================================================================================
 ``compiled``                   the stepped model (``trainer.model_wrapped``, or what it wraps) is a dynamo
-                               ``OptimizedModule`` (a DeepSpeed engine: its ``is_compiled``) AND dynamo compiled at
-                               least one graph in this process (``torch._dynamo.utils.counters["stats"]``)
+                               ``OptimizedModule`` (a DeepSpeed engine: its ``is_compiled``) AND dynamo's cache holds
+                               compiled code for the model's own ``forward`` made by that wrapper's backend (the
+                               cache entries of the forward's code object; a process-wide count of compiled graphs
+                               passed for any compiled function)
 ``compile_backend``            the backend of that ``OptimizedModule`` (``inductor``, ``aot_eager``, ``eager``)
-``compile_graph_breaks``       graph breaks dynamo counted (``counters["graph_break"]``): the compiled model ran in
-                               that many more pieces, with Python between them
+``compile_mode``               inductor's mode, read back from the options its compiler holds (``reduce-overhead``
+                               is ``triton.cudagraphs``, ...: ``torch._inductor.list_mode_options``)
+``compile_graph_breaks``       graph breaks dynamo counted (``counters["graph_break"]``, process-wide): the compiled
+                               model ran in that many more pieces, with Python between them
 ``attn_implementation``        ``model.config._attn_implementation`` (what transformers resolved and dispatches on)
 ``attention_scores_kept``      :class:`AttentionProbe`: whether the first attention module's forward returned the
                                ``seq x seq`` probabilities (only eager attention computes them), so a config that
@@ -138,36 +142,86 @@ def uncompiled(model: Any) -> Any:
     return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
-def _backend_name(compiled: Any) -> str | None:
-    """The dynamo backend of an ``OptimizedModule`` (torch internals, read defensively; None when they moved)."""
+def _backend(compiled: Any) -> Any:
+    """The dynamo backend object of an ``OptimizedModule`` (torch internals, read defensively; None when they
+    moved): ``_TorchCompileInductorWrapper`` for inductor, ``_TorchCompileWrapper`` for a named backend, the
+    function for a callable one."""
     obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
-    for _ in range(6):  # CatchErrorsWrapper -> ConvertFrame -> ConvertFrameAssert -> the backend
-        if obj is None:
-            return None
-        name = getattr(obj, "compiler_name", None) or (
-            getattr(obj, "__name__", None) if not type(obj).__name__.startswith(("Convert", "Catch")) else None
-        )
-        if isinstance(name, str):
-            return name
-        obj = getattr(obj, "_torchdynamo_orig_backend", None) or getattr(obj, "_inner_convert", None)
+    for _ in range(8):  # CatchErrorsWrapper -> ConvertFrame -> ConvertFrameAssert -> WrapBackendDebug -> the backend
+        inner = getattr(obj, "_torchdynamo_orig_backend", None) or getattr(obj, "_inner_convert", None)
+        if inner is None:
+            return obj
+        obj = inner
     return None
 
 
-def compile_facts(model_wrapped: Any) -> tuple[bool, str | None, int | None]:
-    """``(compiled, backend, graph_breaks)`` of the model a Trainer stepped (see the module docstring)."""
+def _backend_name(backend: Any) -> str | None:
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return name if isinstance(name, str) else None
+
+
+def _inductor_mode(backend: Any) -> str | None:
+    """The ``torch.compile`` mode whose options inductor's compiler holds (the mode is not kept by name)."""
+    config = getattr(backend, "config", None)
+    if _backend_name(backend) != "inductor" or not isinstance(config, dict):
+        return None
+    try:
+        from torch._inductor import list_mode_options
+    except ImportError:
+        return None
+    modes: dict[str, dict[str, Any]] = list_mode_options()  # type: ignore[assignment]
+    keys = {key for options in modes.values() for key in options}
+    held = {key: config[key] for key in keys if key in config}
+    return next((name for name, options in modes.items() if options == held), None)
+
+
+def _forward_compiled(model_wrapped: Any, backend: Any) -> bool:
+    """Whether dynamo's cache holds compiled code for the model's own ``forward`` (the model and what it wraps,
+    DDP's inner module included: dynamo starts tracing at the first frame past torch.nn's), made by ``backend``
+    (any backend when None: a DeepSpeed engine compiles through ``nn.Module.compile``, which keeps none to compare).
+
+    The cache lives on the forward's code object, so another model of the same class compiled with an equal backend
+    in the same process shares it: that model's code is then what runs.
+    """
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return False
+    obj = model_wrapped
+    for _ in range(4):  # DDP / DeepSpeed .module, compile ._orig_mod
+        obj = uncompiled(obj)
+        code = getattr(getattr(type(obj), "forward", None), "__code__", None)
+        for entry in _debug_get_cache_entry_list(code) if code is not None else []:
+            if backend is None or entry.backend is backend or entry.backend == backend:
+                return True
+        obj = getattr(obj, "module", None)
+        if obj is None:
+            break
+    return False
+
+
+def compile_facts(model_wrapped: Any) -> dict[str, Any]:
+    """``compiled``, ``compile_backend``, ``compile_mode`` and ``compile_graph_breaks`` of the model a Trainer
+    stepped (see the module docstring), as record keywords."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
-        return False, None, None
+        return {"compiled": False}
     compiled = _compiled_module(model_wrapped)
     engine_compiled = bool(getattr(model_wrapped, "is_compiled", False))  # DeepSpeedEngine.compile()
-    graphs = int(counters["stats"].get("unique_graphs", 0))
-    breaks = int(sum(counters["graph_break"].values()))
     if compiled is None and not engine_compiled:
-        return False, None, None
-    if graphs == 0:
-        logger.warning("the model is wrapped by torch.compile but dynamo compiled no graph: it runs eagerly")
-    return graphs > 0, (_backend_name(compiled) if compiled is not None else None), breaks
+        return {"compiled": False}
+    backend = _backend(compiled) if compiled is not None else None
+    # A backend whose name cannot be read (torch internals moved) is not compared: any compiled forward counts.
+    ran = _forward_compiled(model_wrapped, backend if _backend_name(backend) is not None else None)
+    if not ran:
+        logger.warning("the model is wrapped by torch.compile but its forward was never compiled: it runs eagerly")
+    return {
+        "compiled": ran,
+        "compile_backend": _backend_name(backend),
+        "compile_mode": _inductor_mode(backend),
+        "compile_graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 # -- attention -------------------------------------------------------------------------------------------------
@@ -253,15 +307,12 @@ def collect(trainer: Any, model: Any, attention_probe: AttentionProbe | None = N
         model: the model (``trainer.model``).
         attention_probe: the probe installed at train begin; None leaves ``attention_scores_kept`` unread.
     """
-    compiled, backend, breaks = compile_facts(trainer.model_wrapped)
     inner = _unwrap_model(model)
     config = getattr(inner, "config", None)
     attn = getattr(config, "_attn_implementation", None)
     device = getattr(getattr(trainer.args, "device", None), "type", None)
     return {
-        "compiled": compiled,
-        "compile_backend": backend,
-        "compile_graph_breaks": breaks,
+        **compile_facts(trainer.model_wrapped),
         "attn_implementation": str(attn) if attn is not None else None,
         "attention_scores_kept": attention_probe.scores_kept if attention_probe is not None else None,
         # TF32 is a CUDA mode: on CPU the flag says nothing about the run.
@@ -277,10 +328,14 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     if asked is not None and rec.compiled is False:
         problems.append(
             f"torch_compile (backend {asked.backend!r}) was asked for, but the model that trained is not compiled "
-            "(no torch.compile wrapper, or dynamo compiled no graph): it ran eagerly"
+            "(no torch.compile wrapper, or dynamo never compiled the model's forward): it ran eagerly"
         )
     elif asked is not None and rec.compile_backend is not None and rec.compile_backend != asked.backend:
         problems.append(f"torch.compile ran with backend {rec.compile_backend!r}, {asked.backend!r} was asked for")
+    elif asked is not None and rec.compile_mode is not None and rec.compile_mode != asked.mode:
+        problems.append(
+            f"torch.compile ran in mode {rec.compile_mode!r}, torch_compile.mode={asked.mode!r} was asked for"
+        )
     elif asked is None and rec.compiled:
         problems.append(
             f"the model ran compiled (backend {rec.compile_backend!r}) but the strategy asks for no torch_compile"

@@ -183,8 +183,8 @@ class ThroughputSummary:
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
     step_times_s: list[float] = field(default_factory=list)
-    """Every measured step's time (the slowest rank's), in step order: the samples the report's intervals are
-    bootstrapped from (``hfscale.stats``)."""
+    """Every measured step's time (the slowest rank's), in step order: the within-run diagnostics (step-time CV,
+    batch-means error) come from them; the intervals come from the runs (``hfscale.stats``)."""
     first_step_s: float | None = None
     """The first optimizer step's time (the slowest rank's), a warm-up step left out of the figures above: under
     ``torch.compile`` it holds the compilation (README, "Compilation, attention kernels, TF32 and Liger": seconds
@@ -279,10 +279,14 @@ class VerificationRecord:
     without FSDP2 or where it was not read."""
     # -- kernels and compilation ---------------------------------------------------------------------------
     compiled: bool | None = None
-    """Whether the stepped model ran through ``torch.compile`` (dynamo compiled at least one frame); None where it
-    was not read."""
+    """Whether the stepped model's own forward ran compiled: dynamo holds compiled code for the model's ``forward``
+    made by the model's ``torch.compile`` wrapper (not any compilation in the process); None where it was not
+    read."""
     compile_backend: str | None = None
     """The torch.compile backend that ran (``inductor``, ``aot_eager``, ...); None when not compiled."""
+    compile_mode: str | None = None
+    """inductor's mode as its compiler holds it (``default``, ``reduce-overhead``, ``max-autotune``, ...); None for
+    another backend, when not compiled, or when the options match no mode."""
     compile_graph_breaks: int | None = None
     """Graph breaks dynamo counted in the run (each one splits the compiled model, with Python between the pieces);
     None when not compiled."""
@@ -309,8 +313,8 @@ class VerificationRecord:
     """Linear layers whose weights are stored in 4 bits (bitsandbytes ``Linear4bit``); None where not read."""
     # -- activations ---------------------------------------------------------------------------------------
     activation_offload_tensors: int | None = None
-    """Tensors the activation-offload hooks moved to (or kept in) CPU memory in the first training step; None
-    without activation offload."""
+    """Storages the activation-offload hooks moved to (or kept in) CPU memory in the first training step, each once
+    however many saved tensors view it; None without activation offload."""
     ds_activation_checkpointing: list[str] | None = None
     """DeepSpeed activation-checkpointing options on (``partition_activations``, ``cpu_checkpointing``) when the
     model's checkpointed layers call ``deepspeed.checkpointing.checkpoint``; None when they call another function

@@ -17,9 +17,11 @@ field                     read from
 ========================  ==========================================================================================
 
 :func:`check` compares them with the strategy: node ranks ``0 .. M-1`` all present, ``P / M`` ranks on each, one
-host name per machine, and under FSDP2 the mesh (``hybrid_shard``: replicate over machines, shard within; else one
-dimension over every rank), each shard group inside one machine, and parameters held per rank about ``1 / (P / M)``
-(not sharded further, as a flat mesh would). ``hfscale.verify`` calls both; a field it could not read is left out.
+host name per machine, and under FSDP2 the mesh (``hybrid_shard``: replicate over machines, shard within; a device
+mesh, ``parallelism``: replicate over ``dp_replicate``, shard over ``dp_shard x cp``, so ``full_shard`` with
+``dp_replicate > 1`` is hybrid too; else one dimension over every rank), each ``hybrid_shard`` shard group inside
+one machine, and under hybrid sharding parameters held per rank about ``1 / dp_shard`` (not sharded further, as a
+flat mesh would). ``hfscale.verify`` calls both; a field it could not read is left out.
 """
 
 from __future__ import annotations
@@ -121,15 +123,11 @@ def collect(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
 
 
 def expected_fsdp_mesh(strategy: Strategy) -> dict[str, int] | None:
-    """The mesh FSDP2 should shard on for ``strategy``: ``hybrid_shard`` replicates across the machines and shards
-    over each machine's processes; any other sharding is one dimension over every process. None without FSDP2,
-    or with a ``parallelism`` mesh (its own check compares that one)."""
-    fsdp = strategy.fsdp
-    if fsdp is None or fsdp.version != 2 or getattr(strategy, "parallelism", None) is not None:
-        return None
-    if fsdp.sharding == "hybrid_shard":
-        return {"dp_replicate": strategy.num_machines, "dp_shard": strategy.num_processes // strategy.num_machines}
-    return {"dp_shard": strategy.num_processes}
+    """The mesh FSDP2 should shard on for ``strategy`` (:attr:`~hfscale.strategy.Strategy.fsdp_mesh`):
+    ``hybrid_shard`` replicates across the machines and shards over each machine's processes; a device mesh
+    (``parallelism``) shards over ``dp_shard x cp`` and replicates over ``dp_replicate``; any other sharding is one
+    dimension over every process. None without FSDP2."""
+    return strategy.fsdp_mesh
 
 
 def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
@@ -174,6 +172,19 @@ def _check_machines(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     return problems
 
 
+def _asked_mesh(strategy: Strategy) -> str:
+    """How ``strategy`` asks for its FSDP2 mesh, in words, for a mismatch message."""
+    p = strategy.parallelism
+    if p is not None and p.size > 1:
+        return f"parallelism dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, cp={p.cp}"
+    sharding = strategy.fsdp.sharding if strategy.fsdp is not None else None
+    why = " (replicate across machines, shard within each)" if sharding == "hybrid_shard" else ""
+    return (
+        f"fsdp.sharding={sharding!r}{why} on {strategy.num_machines} machine(s) x "
+        f"{strategy.num_processes // strategy.num_machines} process(es)"
+    )
+
+
 def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     expected = expected_fsdp_mesh(strategy)
     if expected is None or rec.fsdp_mesh is None:
@@ -182,16 +193,12 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     if rec.fsdp_mesh != expected:
         layout = " x ".join(f"{k} {v}" for k, v in expected.items())
         ran = " x ".join(f"{k} {v}" for k, v in rec.fsdp_mesh.items()) or "none"
-        why = " (replicate across machines, shard within each)" if strategy.fsdp.sharding == "hybrid_shard" else ""
-        problems.append(
-            f"FSDP2 sharded on a mesh of {ran}, expected {layout}{why} for fsdp.sharding="
-            f"{strategy.fsdp.sharding!r} on {strategy.num_machines} machine(s) x "
-            f"{strategy.num_processes // strategy.num_machines} process(es)"
-        )
-    if strategy.fsdp.sharding != "hybrid_shard":
+        problems.append(f"FSDP2 sharded on a mesh of {ran}, expected {layout} for {_asked_mesh(strategy)}")
+    if "dp_replicate" not in expected:
         return problems
     ranks = rec.machine_rank_per_rank
-    if ranks and len(ranks) == strategy.num_processes:
+    across_machines = strategy.fsdp is not None and strategy.fsdp.sharding == "hybrid_shard"
+    if across_machines and ranks and len(ranks) == strategy.num_processes:
         for group in rec.fsdp_shard_groups:
             on = sorted({ranks[r] for r in group if 0 <= r < len(ranks)})
             if len(on) > 1:
@@ -199,15 +206,17 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
                     f"FSDP2 shards parameters over ranks {group}, which span machines {on}: hybrid_shard keeps each "
                     "shard group inside one machine"
                 )
-    per_machine = strategy.num_processes // strategy.num_machines
-    if rec.params_local_per_rank and rec.params_total and strategy.num_machines > 1:
-        share = rec.params_total / per_machine
-        if rec.params_local_max * _SHARE_SLACK < share:
-            problems.append(
-                f"parameters are sharded further than hybrid_shard asks: {rec.params_local_max:,} of "
-                f"{rec.params_total:,} elements on the fullest rank, expected about 1/{per_machine} (the processes "
-                "of one machine)"
-            )
+    shards = expected["dp_shard"]
+    if (
+        rec.params_local_per_rank
+        and rec.params_total
+        and rec.params_local_max * _SHARE_SLACK < rec.params_total / shards
+    ):
+        problems.append(
+            f"parameters are sharded further than hybrid_shard asks: {rec.params_local_max:,} of "
+            f"{rec.params_total:,} elements on the fullest rank, expected about 1/{shards} (the dp_shard ranks of one "
+            f"replica, {_asked_mesh(strategy)})"
+        )
     return problems
 
 

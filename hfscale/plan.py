@@ -301,6 +301,58 @@ class PlannedRun:
         return self.name if self.repeats == 1 else f"{self.name} (repeat {self.repeat + 1}/{self.repeats})"
 
 
+NO_CUDA_DEVICE = "device 'cuda' but no CUDA device is visible (see environment.json)"
+"""The skip reason of a CUDA trial on a machine without a visible GPU (:func:`skip_reason`)."""
+CPU_INSTEAD = (
+    "run it where a GPU is visible (under Slurm: --gpus-per-node and a GPU partition; check CUDA_VISIBLE_DEVICES), "
+    "or use a CPU recipe such as cpu_small (hfscale recipes lists them); hfscale sweep RECIPE --dry-run plans a "
+    "recipe without running it"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkipCause:
+    """Why runs were skipped before launching, in general terms, and what to do about it (for the one message of
+    a sweep in which no trial ran)."""
+
+    cause: str
+    """The reason without the figures of one trial: skips of one cause share it."""
+    remedy: str
+
+
+def skip_cause(reason: str | None) -> SkipCause:
+    """The cause of a ``skipped`` row's reason, as :func:`skip_reason`, :func:`estimate_runs` and a run after a
+    failed repeat write them; an unknown reason is its own cause."""
+    text = reason or "no reason recorded"
+    if text == NO_CUDA_DEVICE:
+        return SkipCause(cause="device 'cuda' but no CUDA device is visible on this machine", remedy=CPU_INSTEAD)
+    if text.startswith("predicted out of memory"):
+        return SkipCause(
+            cause="predicted out of memory",
+            remedy="give the real per-device memory with --memory-budget, lower the batch, or run without "
+            "--skip-predicted-oom to try",
+        )
+    if " GPUs per machine; " in text:
+        return SkipCause(cause=text, remedy="run on a machine with that many GPUs, or lower --num-processes")
+    if text.startswith("needs ") and " machines; " in text:
+        return SkipCause(cause=text, remedy="start one driver per machine (hfscale slurm writes them)")
+    if "not installed" in text:
+        return SkipCause(cause=text, remedy="install it as the reason says, then start the sweep again")
+    return SkipCause(cause=text, remedy="hfscale sweep RECIPE --dry-run shows what each trial would run")
+
+
+def device_not_visible(recipe: Recipe, runs: Sequence[PlannedRun]) -> str | None:
+    """A line for before the first trial when the recipe's device is not visible here (every CUDA run will be
+    skipped), with what to do; None when it is, or nothing asks for it."""
+    skipped = sum(run.skip_reason == NO_CUDA_DEVICE for run in runs)
+    if not skipped:
+        return None
+    return (
+        f"recipe {recipe.name}: device 'cuda', but no CUDA device is visible on this machine: {skipped} of its "
+        f"{len(runs)} runs will be skipped; {CPU_INSTEAD}"
+    )
+
+
 def skip_reason(strategy: Strategy, *, gpu_count: int, num_machines: int) -> str | None:
     """Why a strategy cannot run here, decided without launching it; None when it can be tried.
 
@@ -317,7 +369,7 @@ def skip_reason(strategy: Strategy, *, gpu_count: int, num_machines: int) -> str
     if strategy.device == "cuda":
         per_machine = strategy.num_processes // strategy.num_machines
         if gpu_count == 0:
-            return "device 'cuda' but no CUDA device is visible (see environment.json)"
+            return NO_CUDA_DEVICE
         if per_machine > gpu_count:
             return f"needs {per_machine} GPUs per machine; {gpu_count} visible"
     return None
@@ -436,6 +488,8 @@ def dry_run_lines(
     budget = memory_budget(settings, gpus)
     runs = estimate_runs(runs, budget_bytes=budget, skip_predicted_oom=settings.skip_predicted_oom)
     lines = [f"recipe {recipe.name}: {len(trials)} trials, {len(runs)} runs (baseline {recipe.baseline})"]
+    if (warning := device_not_visible(recipe, runs)) is not None:
+        lines.append(warning)
     if budget is not None:
         lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
     if settings.find_max_batch:
@@ -485,13 +539,17 @@ def short(text: str, limit: int = 100) -> str:
 
 __all__ = [
     "NO_BUDGET",
+    "NO_CUDA_DEVICE",
     "PlannedRun",
     "SettingError",
+    "SkipCause",
     "SweepError",
     "SweepSettings",
+    "device_not_visible",
     "dry_run_lines",
     "estimate_runs",
     "memory_budget",
     "plan_runs",
+    "skip_cause",
     "skip_reason",
 ]

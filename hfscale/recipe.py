@@ -39,6 +39,7 @@ import difflib
 import itertools
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -48,6 +49,7 @@ from hfscale.catalog import resolve_recipe
 from hfscale.recipe_checks import (
     OWNED_TRAINING_ARGS,
     REFUSED_TRAINING_ARGS,
+    check_batch_fits_data,
     check_folder_name,
     check_liger,
     check_lora,
@@ -188,7 +190,8 @@ class Recipe:
             num_machines: machines for trials that do not set ``num_machines``.
 
         Raises:
-            RecipeError: when a trial's strategy is invalid with these counts (e.g. not a multiple).
+            RecipeError: when a trial's strategy is invalid with these counts (e.g. not a multiple), or one step of
+                it would take more samples than ``data.num_samples`` holds.
         """
         out = []
         for trial in self.trials:
@@ -200,13 +203,15 @@ class Recipe:
             if not changes:
                 out.append(trial)
                 continue
+            launch = ", ".join(f"{k}={v}" for k, v in changes.items())
+            where = f"{self.path or '<recipe>'}: {trial.source} (with the launch's {launch})"
             try:
                 strategy = trial.spec.strategy.replace(**changes)
+                check_batch_fits_data(strategy, trial.spec.data, "")
             except StrategyError as exc:
-                launch = ", ".join(f"{k}={v}" for k, v in changes.items())
-                raise RecipeError(
-                    f"{self.path or '<recipe>'}: {trial.source} (with the launch's {launch}): {exc}"
-                ) from exc
+                raise RecipeError(f"{where}: {exc}") from exc
+            except Invalid as exc:
+                raise RecipeError(f"{where}: {exc.path}: {exc.message}") from None
             spec = dataclasses.replace(trial.spec, strategy=strategy)
             out.append(dataclasses.replace(trial, spec=spec))
         return out
@@ -387,6 +392,26 @@ def parse_recipe(data: Any, *, source: str = "<recipe>", default_name: str = "re
         raise RecipeError(where + exc.message) from None
 
 
+def _read_yaml(path: str | os.PathLike[str]) -> tuple[str, Any]:
+    """A recipe file's path (a shipped recipe's name resolved) and its YAML document.
+
+    Raises:
+        FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
+        RecipeError: when it is a folder, not UTF-8 text, or not valid YAML.
+    """
+    resolved = resolve_recipe(path)
+    if resolved.is_dir():
+        raise RecipeError(f"{resolved}: is a folder, not a recipe file")
+    try:
+        text = resolved.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{resolved}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        return str(resolved), yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{resolved}: not valid YAML: {exc}") from None
+
+
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     """Load and validate a recipe file, or a shipped recipe by name (``cpu_small``; ``hfscale recipes`` lists them).
 
@@ -394,18 +419,98 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
         RecipeError: when it is not valid YAML or not a valid recipe; the message names the file and key path.
     """
-    path = resolve_recipe(path)
-    if path.is_dir():
-        raise RecipeError(f"{path}: is a folder, not a recipe file")
+    source, data = _read_yaml(path)
+    return parse_recipe(data, source=source, default_name=Path(source).stem)
+
+
+def read_trial_names(path: str | os.PathLike[str]) -> list[str]:
+    """The names of a recipe's trials, in recipe order, as :func:`load_recipe` names them, without validating it.
+
+    For reading a finished run (the report's coverage line reads the run folder's recipe copy): validating builds
+    each model's config, which imports transformers and torch, about 10 s of a report on 2 cores, and a run
+    folder's copy was validated when its sweep started. Only what decides the names is checked.
+
+    Raises:
+        FileNotFoundError: as :func:`load_recipe`.
+        RecipeError: when the file is not YAML, or its trials or matrix cannot be read; names the file and key path.
+    """
+    source, data = _read_yaml(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
-    return parse_recipe(data, source=str(path), default_name=path.stem)
+        if not isinstance(data, dict):
+            raise Invalid("", f"expected a mapping at the top level, got {show_value(data)}")
+        entries = _trial_entries(data.get("trials") or [])
+        if data.get("matrix") is not None:
+            entries += _expand_matrix(data["matrix"])
+    except Invalid as exc:
+        raise RecipeError(f"{source}: {exc.path}: {exc.message}" if exc.path else f"{source}: {exc.message}") from None
+    return [entry.name for entry in entries]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Entry:
+    """One trial as the recipe writes it (an item of ``trials:``, or one combination of ``matrix:``), unmerged."""
+
+    path: str
+    """Its key path in error messages: ``trials[2]``, or ``matrix[NAME]`` for a combination of the matrix."""
+    name: str
+    """As written, or made from its strategy fields (:func:`_auto_name`)."""
+    fields: dict[str, Any]
+    """Strategy fields, dotted keys unfolded."""
+    measure: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
+    training_args: dict[str, Any] = field(default_factory=dict)
+    batch: BatchMode | None = None
+    """Its own ``batch:``, else None (the recipe's ``sweep.batch``)."""
+
+
+def _trial_entries(raw_trials: Any) -> list[_Entry]:
+    """The ``trials:`` list, each item type-checked as partial strategy fields plus its per-trial overrides.
+
+    Pure: no model is built and nothing is imported (:func:`read_trial_names` relies on it).
+    """
+    if not isinstance(raw_trials, list):
+        raise Invalid("trials", f"expected a list of trials, got {show_value(raw_trials)}")
+    entries = []
+    for i, raw in enumerate(raw_trials):
+        path = join_path("trials", i)
+        if not isinstance(raw, dict):
+            raise Invalid(path, f"expected a mapping of strategy fields, got {show_value(raw)}")
+        raw = dict(raw)
+        trial_name = raw.pop("name", None)
+        if trial_name is not None:
+            convert(str, trial_name, join_path(path, "name"))
+        overrides = {key: raw.pop(key, None) or {} for key in ("measure", "run", "training_args")}
+        batch = convert(BatchMode, raw.pop("batch"), join_path(path, "batch")) if "batch" in raw else None
+        for key, over in overrides.items():
+            if not isinstance(over, dict):
+                raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
+        _check_partial_strategy(raw, path, also_valid=("name", *_TRIAL_EXTRAS))
+        entries.append(
+            _Entry(
+                path=path,
+                name=trial_name or _auto_name(list(raw.items())),
+                fields=_undot(raw),
+                measure=overrides["measure"],
+                run=overrides["run"],
+                training_args=overrides["training_args"],
+                batch=batch,
+            )
+        )
+    return entries
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shared:
+    """What every trial of a recipe shares (its top-level sections), for building each trial."""
+
+    device: Device
+    model: ModelSpec
+    data: DataSpec
+    training_args: dict[str, Any]
+    measure_raw: dict[str, Any]
+    run_raw: dict[str, Any]
+    defaults: dict[str, Any]
+    batch: BatchMode
 
 
 def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
@@ -427,93 +532,32 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     training_args = convert(dict[str, Any], data.get("training_args") or {}, "training_args")
     training_args = check_training_args(training_args)
     sweep = build(SweepOptions, data.get("sweep") or {}, "sweep")
-
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise Invalid("defaults", f"expected a mapping of strategy fields, got {show_value(defaults)}")
     _check_partial_strategy(defaults, "defaults")
-    defaults = _undot(defaults)
 
-    # (source path, name or None, strategy fields, measure overrides, run overrides, ordered items for naming)
-    entries: list[tuple[str, str | None, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[str, Any]]]] = []
-    trial_training_args: dict[str, dict[str, Any]] = {}  # per-trial `training_args:` overrides, by source path
-    trial_batch: dict[str, str] = {}  # per-trial `batch:` (fixed | max | both), by source path
-    raw_trials = data.get("trials") or []
-    if not isinstance(raw_trials, list):
-        raise Invalid("trials", f"expected a list of trials, got {show_value(raw_trials)}")
-    for i, raw in enumerate(raw_trials):
-        path = join_path("trials", i)
-        if not isinstance(raw, dict):
-            raise Invalid(path, f"expected a mapping of strategy fields, got {show_value(raw)}")
-        raw = dict(raw)
-        trial_name = raw.pop("name", None)
-        if trial_name is not None:
-            convert(str, trial_name, join_path(path, "name"))
-        measure_over = raw.pop("measure", None) or {}
-        run_over = raw.pop("run", None) or {}
-        args_over = raw.pop("training_args", None) or {}
-        if "batch" in raw:
-            trial_batch[path] = convert(BatchMode, raw.pop("batch"), join_path(path, "batch"))
-        for key, over in (("measure", measure_over), ("run", run_over), ("training_args", args_over)):
-            if not isinstance(over, dict):
-                raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
-        if args_over:
-            trial_training_args[path] = check_training_args(args_over, join_path(path, "training_args"))
-        _check_partial_strategy(raw, path, also_valid=("name", *_TRIAL_EXTRAS))
-        entries.append((path, trial_name, _undot(raw), measure_over, run_over, list(raw.items())))
-
-    matrix = data.get("matrix")
-    if matrix is not None:
-        entries += _expand_matrix(matrix)
+    entries = _trial_entries(data.get("trials") or [])
+    if data.get("matrix") is not None:
+        entries += _expand_matrix(data["matrix"])
     if not entries:
         raise Invalid("", "no trials: give a `trials:` list and/or a `matrix:` of strategy axes")
-
-    trials: list[RecipeTrial] = []
+    shared = _Shared(
+        device=device, model=model, data=data_spec, training_args=training_args, measure_raw=measure_raw,
+        run_raw=run_raw, defaults=_undot(defaults), batch=sweep.batch,
+    )  # fmt: skip
     seen: dict[str, str] = {}
-    for path, trial_name, fields_, measure_over, run_over, items in entries:
-        name_ = trial_name or _auto_name(items)
-        args_over = trial_training_args.get(path, {})
-        batch = trial_batch.get(path, sweep.batch)
-        if path.startswith("matrix"):
-            path = f"matrix[{name_}]"
-        if name_ in seen:
-            raise Invalid(path, f"duplicate trial name {name_!r} (also {seen[name_]}); give each trial a unique name")
-        seen[name_] = path
-        merged = _merge(defaults, fields_)
-        pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
-        strategy = build(Strategy, {**merged, "name": name_}, path, device=device)
-        check_tensor_parallel(model, data_spec, strategy, path)  # needs the model: a tp plan
-        check_liger(strategy, model, path)
-        check_lora(strategy, model, path)
-        trial_measure = build(MeasureSpec, {**measure_raw, **measure_over}, join_path(path, "measure"))
-        run_merged = {**run_raw, **run_over}
-        if isinstance(run_raw.get("env"), dict) and isinstance(run_over.get("env"), dict):
-            run_merged["env"] = {**run_raw["env"], **run_over["env"]}
-        trial_run = build(RunSpec, run_merged, join_path(path, "run"))
-        check_measure(trial_measure, join_path(path, "measure"))
-        spec = TrialSpec(
-            name=name_,
-            strategy=strategy,
-            model=model,
-            data=data_spec,
-            training_args={**training_args, **args_over},
-            measure=trial_measure,
-        )
-        trials.append(RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch))
-
+    for entry in entries:
+        if entry.name in seen:
+            raise Invalid(
+                entry.path,
+                f"duplicate trial name {entry.name!r} (also {seen[entry.name]}); give each trial a unique name",
+            )
+        seen[entry.name] = entry.path
+    trials = [_build_trial(entry, shared) for entry in entries]
     baseline = data.get("baseline", trials[0].name)
     convert(str, baseline, "baseline")
-    if baseline not in seen:
-        raise Invalid("baseline", f"{baseline!r} is not a trial; trials are {', '.join(seen)}")
-    # A trial's max-batch row is named after it: a trial of that name would be two rows of one name.
-    searched = {t.name: t.batch for t in trials if t.batch != "fixed"}
-    for name_ in seen:
-        if name_.endswith(MAX_BATCH_SUFFIX) and name_.removesuffix(MAX_BATCH_SUFFIX) in searched:
-            of = name_.removesuffix(MAX_BATCH_SUFFIX)
-            raise Invalid(
-                seen[name_],
-                f"trial name {name_!r} is the name of {of!r}'s max-batch row (batch: {searched[of]}); rename it",
-            )
+    _check_names(trials, baseline)
     return Recipe(
         name=name,
         description=description,
@@ -530,7 +574,57 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     )
 
 
-def _expand_matrix(matrix: Any) -> list[tuple[str, None, dict[str, Any], dict[str, Any], dict[str, Any], list]]:
+def _build_trial(entry: _Entry, shared: _Shared) -> RecipeTrial:
+    """One trial: its strategy fields over the recipe's ``defaults``, its overrides over the recipe's sections, and
+    the checks that need the model or the data beside the strategy."""
+    path = entry.path
+    merged = _merge(shared.defaults, entry.fields)
+    pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
+    strategy = build(Strategy, {**merged, "name": entry.name}, path, device=shared.device)
+    check_tensor_parallel(shared.model, shared.data, strategy, path)  # needs the model: a tp plan
+    check_liger(strategy, shared.model, path)
+    check_lora(strategy, shared.model, path)
+    check_batch_fits_data(strategy, shared.data, path)
+    args_over = (
+        check_training_args(entry.training_args, join_path(path, "training_args")) if entry.training_args else {}
+    )
+    trial_measure = build(MeasureSpec, {**shared.measure_raw, **entry.measure}, join_path(path, "measure"))
+    check_measure(trial_measure, join_path(path, "measure"))
+    run_merged = {**shared.run_raw, **entry.run}
+    if isinstance(shared.run_raw.get("env"), dict) and isinstance(entry.run.get("env"), dict):
+        run_merged["env"] = {**shared.run_raw["env"], **entry.run["env"]}
+    trial_run = build(RunSpec, run_merged, join_path(path, "run"))
+    spec = TrialSpec(
+        name=entry.name,
+        strategy=strategy,
+        model=shared.model,
+        data=shared.data,
+        training_args={**shared.training_args, **args_over},
+        measure=trial_measure,
+    )
+    batch = entry.batch or shared.batch
+    return RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch)
+
+
+def _check_names(trials: list[RecipeTrial], baseline: str) -> None:
+    """The baseline is a trial, and no trial has the name of another's max-batch row (``sweep.batch``)."""
+    seen = {t.name: t.source for t in trials}
+    if baseline not in seen:
+        raise Invalid("baseline", f"{baseline!r} is not a trial; trials are {', '.join(seen)}")
+    # A trial's max-batch row is named after it: a trial of that name would be two rows of one name.
+    searched = {t.name: t.batch for t in trials if t.batch != "fixed"}
+    for name in seen:
+        if name.endswith(MAX_BATCH_SUFFIX) and name.removesuffix(MAX_BATCH_SUFFIX) in searched:
+            of = name.removesuffix(MAX_BATCH_SUFFIX)
+            raise Invalid(
+                seen[name],
+                f"trial name {name!r} is the name of {of!r}'s max-batch row (batch: {searched[of]}); rename it",
+            )
+
+
+def _expand_matrix(matrix: Any) -> list[_Entry]:
+    """One entry per combination of the axes, named from its values (``zero2-bf16``); pure, as
+    :func:`_trial_entries`."""
     if not isinstance(matrix, dict) or not matrix:
         raise Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {show_value(matrix)}")
     axes: list[tuple[str, list[Any]]] = []
@@ -558,7 +652,8 @@ def _expand_matrix(matrix: Any) -> list[tuple[str, None, dict[str, Any], dict[st
         for (key, _), value in zip(axes, combo, strict=True):
             fields_ = _set_dotted(fields_, key, value)
             items.append((key, value))
-        entries.append(("matrix", None, fields_, {}, {}, items))
+        name = _auto_name(items)
+        entries.append(_Entry(path=f"matrix[{name}]", name=name, fields=fields_))
     return entries
 
 
@@ -572,4 +667,5 @@ __all__ = [
     "SweepOptions",
     "load_recipe",
     "parse_recipe",
+    "read_trial_names",
 ]

@@ -1,6 +1,7 @@
 """What a recipe may say beyond its types: a run folder's name, a model transformers knows with a vocabulary the data
-fits, measurement counts in range, and which ``TrainingArguments`` keywords a recipe may set (the strategy and the
-runner own the others). Every check raises :class:`hfscale.validation.Invalid` at the dotted key it is about.
+fits, a batch the data set can fill, measurement counts in range, and which ``TrainingArguments`` keywords a recipe
+may set (the strategy and the runner own the others). Every check raises :class:`hfscale.validation.Invalid` at the
+dotted key it is about.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import types
 import typing
 from typing import Any, get_args, get_origin
 
-from hfscale.spec import DataSpec, MeasureSpec, ModelSpec
+from hfscale.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
 from hfscale.validation import Invalid, float_text, join_path
 
 # TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
@@ -203,6 +204,31 @@ def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path:
         raise Invalid(join_path(join_path(path, "parallelism"), "tp"), problem)
 
 
+def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
+    """Refuse a trial whose one optimizer step takes more samples than ``data.num_samples`` holds.
+
+    The Trainer does not refuse it: it trains on the samples there are, so the steps run a smaller batch than the
+    strategy asks, and the trial is launched only to end ``not_applied`` (issue 28: 16 samples ran, 64 were asked
+    for). One step takes :attr:`~hfscale.strategy.Strategy.global_batch_size` samples: the per-device batch times
+    the accumulation steps times the data-parallel replicas (every process, less the ranks of one tensor, context
+    or sequence parallel group, which share their batch), as the verification counts them.
+
+    Raises:
+        Invalid: at ``PATH.per_device_batch_size``, naming the product and ``data.num_samples``.
+    """
+    need = strategy.global_batch_size
+    if data.num_samples >= need:
+        return
+    replicas = need // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)
+    raise Invalid(
+        join_path(path, "per_device_batch_size"),
+        f"one optimizer step takes {need} samples (batch {strategy.per_device_batch_size} x accumulation "
+        f"{strategy.gradient_accumulation_steps} x {replicas} data-parallel replica(s)), more than data.num_samples "
+        f"{data.num_samples}: the steps would train on smaller batches than asked; lower the batch or set "
+        f"data.num_samples to {need} or more",
+    )
+
+
 def check_measure(measure: MeasureSpec, path: str) -> None:
     """Range checks for :class:`~hfscale.spec.MeasureSpec` (the dataclass itself only holds the values)."""
     if measure.warmup_steps < 0:
@@ -220,11 +246,12 @@ def check_measure(measure: MeasureSpec, path: str) -> None:
             join_path(path, "target_precision"),
             f"expected a fraction between 0 and 1 (0.05 for ± 5%), got {measure.target_precision}",
         )
-    if measure.target_precision is not None and measure.max_repeats < max(measure.repeats, 2):
+    fewest = max(measure.repeats, SEQUENTIAL_MIN_RUNS)
+    if measure.target_precision is not None and measure.max_repeats < fewest:
         raise Invalid(
             join_path(path, "max_repeats"),
-            f"expected at least {max(measure.repeats, 2)} (repeats, and two runs to see run-to-run noise), "
-            f"got {measure.max_repeats}",
+            f"expected at least {fewest} (repeats, and the {SEQUENTIAL_MIN_RUNS} runs a target precision takes "
+            f"before it may stop), got {measure.max_repeats}",
         )
     if measure.max_time_s is not None and measure.max_time_s <= 0:
         raise Invalid(join_path(path, "max_time_s"), f"expected a positive number of seconds, got {measure.max_time_s}")
@@ -276,6 +303,7 @@ def _training_args_fields() -> dict[str, bool] | None:
 __all__ = [
     "OWNED_TRAINING_ARGS",
     "REFUSED_TRAINING_ARGS",
+    "check_batch_fits_data",
     "check_config_keys",
     "check_folder_name",
     "check_measure",

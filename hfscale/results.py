@@ -179,6 +179,9 @@ class TrialResult:
     """The largest batch that fits (``--find-max-batch``)."""
     activity: MachineActivity | None = None
     """What else the machine was doing while the trial ran (``hfscale.activity``); None when not sampled."""
+    stopping: str | None = None
+    """How the trial's number of runs is decided when the recipe does not fix it (``measure.target_precision``):
+    the sequential rule, so a reader knows the run count followed the results (None: a fixed count)."""
 
     def __post_init__(self) -> None:
         if self.status not in TRIAL_STATUSES:

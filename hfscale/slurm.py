@@ -17,10 +17,11 @@ own disk and the rows are still machine 0's.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +188,68 @@ class SlurmJob:
         )
 
 
+def resume_command(
+    run_dir: str | os.PathLike[str],
+    *,
+    num_machines: int = 1,
+    num_processes: int | None = None,
+    gpus_per_node: int = 0,
+    main_addr: str | None = None,
+    port: int | None = None,
+    python: str = sys.executable,
+    environ: Mapping[str, str] = os.environ,
+) -> str:
+    """The command that continues a run folder, for a hint ("continue with: ..."): the one that works for its kind.
+
+    One machine: ``hfscale sweep --resume RUN``. Several machines need every machine's driver again, each following
+    machine 0, whose folder ``run_dir`` must be (machine ``k``'s own folder holds only its logs): under Slurm
+    (``SLURM_JOB_ID`` set) a new job, ``hfscale slurm RUN --resume ...`` then ``sbatch``; by hand, each machine's
+    driver command with ``--resume RUN`` (:meth:`SlurmJob.node_commands`, what ``hfscale slurm`` prints).
+
+    Args:
+        run_dir: machine 0's run folder (the one holding ``results.jsonl``).
+        num_machines: machines of the sweep.
+        num_processes: trial processes in all for trials that do not pin theirs (``--num-processes``); None: one
+            per GPU.
+        gpus_per_node: GPUs of each machine; Slurm's ``SLURM_GPUS_PER_NODE`` wins where it is set.
+        main_addr: machine 0's address for the by-hand commands.
+        port: the drivers' port for the by-hand commands (default 29500).
+        python: the interpreter of the by-hand commands.
+        environ: where ``SLURM_*`` variables are read.
+    """
+    if num_machines <= 1:
+        return f"hfscale sweep --resume {shlex.quote(str(run_dir))}"
+    gpus = _slurm_gpus(environ.get("SLURM_GPUS_PER_NODE")) if environ.get("SLURM_GPUS_PER_NODE") else gpus_per_node
+    per_node = num_processes // num_machines if num_processes else (gpus or 1)
+    job = SlurmJob(
+        recipe=str(run_dir),
+        nodes=num_machines,
+        gpus_per_node=gpus,
+        processes_per_node=None if per_node == gpus else per_node,
+        resume=True,
+        python=python,
+    )
+    if environ.get("SLURM_JOB_ID"):
+        options = ["--resume", "--nodes", str(job.nodes), "--gpus-per-node", str(job.gpus_per_node)]
+        if job.processes_per_node is not None:
+            options += ["--processes-per-node", str(job.processes_per_node)]
+        script = f"{job.name}-resume.sbatch"
+        return (
+            f"{shlex.join(['hfscale', 'slurm', str(run_dir), *options, '--out', script])} (with the first job's "
+            f"--setup/--python/--partition options), then sbatch {script}"
+        )
+    commands = job.node_commands(main_addr=main_addr or "MAIN_HOST", port=port or 29500)
+    return "every machine's driver again (in any order, within --machine-wait-s): " + "; ".join(
+        f"machine {k}: {shlex.join(cmd)}" for k, cmd in enumerate(commands)
+    )
+
+
+def _slurm_gpus(value: str | None) -> int:
+    """``SLURM_GPUS_PER_NODE`` (``4``, ``h100:4``) as a count; 0 when it cannot be read."""
+    match = re.search(r"(\d+)\s*$", value or "")
+    return int(match.group(1)) if match else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hfscale slurm",
@@ -260,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["PORT_BASE", "PORT_BLOCK", "PORT_JOBS", "SlurmJob", "build_parser", "main"]
+__all__ = ["PORT_BASE", "PORT_BLOCK", "PORT_JOBS", "SlurmJob", "build_parser", "main", "resume_command"]
 
 
 if __name__ == "__main__":

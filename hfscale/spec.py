@@ -48,6 +48,16 @@ class DataSpec:
     seed: int = 0
 
 
+DEFAULT_REPEATS = 3
+"""Runs of each trial when a recipe does not say: a verdict needs two a side, and at three the sweep's intervals
+find a 15% difference at the few-percent run-to-run noise a GPU usually shows (simulated: docs/statistics.md); a
+noisier machine needs more (the CPU recipes ask for 5)."""
+SEQUENTIAL_MIN_RUNS = 3
+"""The fewest runs ``measure.target_precision`` stops at: the trial's own runs must be able to show that it shares
+the sweep's noise before its interval is trusted (two runs give that check one degree of freedom;
+docs/statistics.md)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasureSpec:
     """How a trial is measured."""
@@ -57,14 +67,14 @@ class MeasureSpec:
     max_steps: int | None = None
     """Optimizer steps to train; None trains ``num_epochs`` epochs."""
     num_epochs: float = 1.0
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS
     """Times each trial is run (each in a fresh process); with ``target_precision``, the fewest."""
     timeout_s: float = 1800.0
     """Wall-clock limit for one trial's whole process group."""
     target_precision: float | None = None
-    """Run the trial again (in later interleaved rounds, up to ``max_repeats``) until the 95% interval of its
-    steady-state samples/s, bootstrapped over steps and runs, is within this fraction of the value (0.05: ± 5%).
-    At least two runs are made, since one run cannot show run-to-run noise. None: exactly ``repeats`` runs."""
+    """Run the trial again (in later interleaved rounds, up to ``max_repeats``) until the run-level 95% interval of
+    its samples/s (its runs, the sweep's pooled run-to-run noise) is within this fraction of the value (0.05: ± 5%).
+    At least :data:`SEQUENTIAL_MIN_RUNS` runs are made. None: exactly ``repeats`` runs."""
     max_repeats: int = 5
     """The most runs ``target_precision`` may take."""
     max_time_s: float | None = None

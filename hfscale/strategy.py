@@ -309,6 +309,42 @@ class Strategy:
         return self.world_size > 1
 
     @property
+    def fsdp_mesh(self) -> dict[str, int] | None:
+        """The mesh FSDP2 shards parameters on, dimension -> size: each parameter is split over ``dp_shard`` ranks,
+        and under hybrid sharding ``dp_replicate`` such groups each hold a replica. ``hybrid_shard`` replicates
+        across machines and shards within each; a device mesh (``parallelism``) shards over ``dp_shard x cp`` and
+        replicates over ``dp_replicate`` (accelerate's ``ParallelismConfig.fsdp_dim_names``), so ``full_shard``
+        there is hybrid sharding whenever ``dp_replicate > 1``; else one dimension over every process. None
+        without FSDP2."""
+        fsdp = self.fsdp
+        if fsdp is None or fsdp.version != 2:
+            return None
+        p = self.parallelism
+        if p is not None and p.size > 1:
+            replicate = {"dp_replicate": p.dp_replicate} if p.dp_replicate > 1 else {}
+            return replicate | {"dp_shard": p.dp_shard * p.cp}
+        if fsdp.sharding == "hybrid_shard":
+            return {"dp_replicate": self.num_machines, "dp_shard": self.num_processes // self.num_machines}
+        return {"dp_shard": self.num_processes}
+
+    @property
+    def shard_group_size(self) -> int:
+        """Processes that split one copy of the model states between them (what the estimate divides by and the
+        verification expects each rank to hold a share of): every process under DeepSpeed and FSDP ``full_shard`` /
+        ``shard_grad_op``, one machine's under ``hybrid_shard``, FSDP2's ``dp_shard`` dimension under a device mesh
+        (:attr:`fsdp_mesh`), one under ``no_shard``."""
+        if self.fsdp is None:
+            return self.num_processes
+        if self.fsdp.sharding == "no_shard":
+            return 1
+        mesh = self.fsdp_mesh
+        if mesh is not None:
+            return mesh["dp_shard"]
+        if self.fsdp.sharding == "hybrid_shard":  # FSDP1
+            return self.num_processes // self.num_machines
+        return self.num_processes
+
+    @property
     def ds_activation_checkpointing(self) -> list[str]:
         """The DeepSpeed activation-checkpointing options turned on (empty without DeepSpeed)."""
         ds = self.deepspeed

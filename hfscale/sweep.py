@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -59,17 +60,21 @@ from hfscale.machine_channel import Coordinator
 from hfscale.plan import (
     NO_BUDGET,
     PlannedRun,
+    SkipCause,
     SweepError,
     SweepSettings,
+    device_not_visible,
     estimate_runs,
     memory_budget,
     plan_runs,
+    skip_cause,
 )
 from hfscale.process import end_orphaned_group, free_port
 from hfscale.recipe import Recipe, RecipeTrial, load_recipe
 from hfscale.results import TrialResult
 from hfscale.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
-from hfscale.spec import TrialSpec
+from hfscale.slurm import resume_command
+from hfscale.spec import SEQUENTIAL_MIN_RUNS, MeasureSpec, TrialSpec
 from hfscale.sweep_machines import lead_run, write_received_environments
 
 logger = logging.getLogger(__name__)
@@ -77,24 +82,33 @@ logger = logging.getLogger(__name__)
 DEFAULT_OUT_DIR = "runs"
 INTERRUPTED_EXIT = 130
 STOPPED_EXIT = 3
+NOTHING_RAN_EXIT = 4
+"""Every run this sweep added was skipped before launching (:attr:`SweepOutcome.nothing_ran` says why)."""
 
 
 class SweepStopped(RuntimeError):
     """The sweep could not go on (its run folder could not be written: disk full, read-only; or a device stayed
-    held by another sweep): every row written before is kept, ``--resume`` goes on once the cause is gone."""
+    held by another sweep): every row written before is kept, ``resume`` goes on once the cause is gone."""
 
-    def __init__(self, run_dir: Path, cause: Exception) -> None:
+    def __init__(self, run_dir: Path, cause: Exception, *, resume: str | None = None) -> None:
         super().__init__(f"{cause}")
         self.run_dir = run_dir
         self.cause = cause
+        self.resume = resume or resume_command(run_dir)
+        """The command that continues the run (:func:`hfscale.slurm.resume_command`)."""
 
 
 class SweepInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM/SIGHUP) during a sweep: the running trial's group was ended; finished rows are kept."""
 
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(f"sweep interrupted; finished trials are in {run_dir}")
+    def __init__(self, run_dir: Path, *, resume: str | None = None, rows_in: Path | None = None) -> None:
+        super().__init__(f"sweep interrupted; finished trials are in {rows_in or run_dir}")
         self.run_dir = run_dir
+        """This driver's folder (on machine ``k`` of several: its logs only)."""
+        self.rows_in = rows_in or run_dir
+        """The run folder that holds the rows: machine 0's."""
+        self.resume = resume or resume_command(self.rows_in)
+        """The command that continues the run (:func:`hfscale.slurm.resume_command`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +126,51 @@ class SweepOutcome:
     asked for."""
     search_errors: list[str] = field(default_factory=list)
     """Batch searches that raised (their trials' rows are kept without a search; ``--resume`` runs them again)."""
+    recipe_trials: tuple[str, ...] = ()
+    """Every trial of the recipe, in recipe order."""
+    trials_with_rows: tuple[str, ...] = ()
+    """The recipe's trials with at least one row in the run folder, this sweep's and earlier ones'."""
+    resume: str = ""
+    """The command that continues this run (:func:`hfscale.slurm.resume_command`: on several machines, every
+    machine's driver)."""
+
+    @property
+    def nothing_ran(self) -> str | None:
+        """Why no trial ran, when every row this sweep added was skipped before launching (a CUDA recipe on a
+        machine without a visible GPU, nothing predicted to fit, ...) and no batch search launched probes, with
+        what to do; None when something ran, or there was nothing to do. One sentence per cause
+        (:func:`hfscale.plan.skip_cause`)."""
+        if not self.rows or any(row.status != "skipped" for row in self.rows):
+            return None
+        if self.search_errors or any(row.batch_search is not None and row.batch_search.searched for row in self.rows):
+            return None  # a batch search launched its probes
+        by_cause: dict[SkipCause, list[TrialResult]] = {}
+        for row in self.rows:
+            by_cause.setdefault(skip_cause(row.reason), []).append(row)
+        causes = []
+        for cause, rows in by_cause.items():
+            reasons = {row.reason for row in rows}
+            said = rows[0].reason if len(reasons) == 1 else f"{cause.cause} (e.g. {rows[0].trial}: {rows[0].reason})"
+            causes.append(f"{said}{f' ({len(rows)} runs)' if len(by_cause) > 1 else ''}")
+        remedy = "; ".join(dict.fromkeys(cause.remedy for cause in by_cause))
+        return (
+            f"no trial ran: all {len(self.rows)} runs were skipped before launching: {'; '.join(causes)}. "
+            f"{remedy[:1].upper()}{remedy[1:]}. The skipped rows are in {self.run_dir}"
+        )
+
+
+def sequential_mark(row: TrialResult, measure: MeasureSpec) -> TrialResult:
+    """``row`` saying that its trial's run count follows the sequential rule, when its recipe asks for a target
+    precision (the rule stops on the results, and a reader should know)."""
+    if measure.target_precision is None:
+        return row
+    return dataclasses.replace(
+        row,
+        stopping=(
+            f"sequential: more runs until the run-level 95% interval is within ± {measure.target_precision:.1%}, "
+            f"at least {SEQUENTIAL_MIN_RUNS} and at most {measure.most_runs} runs"
+        ),
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -185,6 +244,8 @@ class Sweep:
             if row.trial in by_name and found is not None and found.searched and found.same_as is None:
                 self.searches.setdefault(search_key(by_name[row.trial]), (row.trial, found))
         runs = self.plan()
+        if (warning := device_not_visible(self.recipe, runs)) is not None:
+            self.progress(warning)  # before the first trial, not after twenty skipped rows
         todo = [r for r in runs if r.key not in self.stored or self._needs_search(r, self.stored[r.key])]
         launches = sum(r.key not in self.stored for r in todo)
         self.progress(
@@ -290,28 +351,35 @@ class Sweep:
 
     def _runs_for_precision(self, runs: list[PlannedRun], index: int) -> list[PlannedRun]:
         """One more run of every trial whose recipe asks for a target precision it has not reached (interleaved
-        rounds, like the planned repeats): fewer than two ok runs, or a samples/s interval wider than the target,
-        while runs and time are left. A trial with a failed run, without step times, or on several machines (the
-        other machines' drivers could not follow the decision) gets no more."""
-        from hfscale.stats import bootstrap_interval
+        rounds, like the planned repeats): fewer than :data:`SEQUENTIAL_MIN_RUNS` ok runs, or a run-level interval
+        (its geometric mean over runs, the sweep's run-to-run noise pooled: the verdicts' own statistics) wider
+        than the target, while runs and time are left. A trial with a failed run, or on several machines (the
+        other machines' drivers could not follow the decision), gets no more."""
+        from hfscale.report.noise import run_rates
+        from hfscale.stats import sweep_noise
 
+        by_trial: dict[str, list[TrialResult]] = {}
+        for key, row in self.stored.items():
+            by_trial.setdefault(key[0], []).append(row)
+        evidence = sweep_noise({name: run_rates(rows) for name, rows in by_trial.items()})
         more = []
         for first in (r for r in runs if r.repeat == 0 and r.skip_reason is None):
             measure = first.trial.spec.measure
             if measure.target_precision is None or first.trial.spec.strategy.num_machines > 1:
                 continue
-            rows = [row for key, row in self.stored.items() if key[0] == first.name]
-            steps = [r.throughput.step_times_s for r in rows if r.status == "ok" and r.throughput is not None]
-            if len(rows) >= first.repeats or len(steps) < len(rows) or not all(steps):
+            rows = by_trial.get(first.name, [])
+            if len(rows) >= first.repeats or any(r.status != "ok" for r in rows):
                 continue
             if measure.max_time_s is not None and sum(r.wall_time_s or 0.0 for r in rows) >= measure.max_time_s:
                 continue
-            precision = bootstrap_interval(steps).half_width_rel
-            if len(rows) >= 2 and precision <= measure.target_precision:
+            level = evidence.level(first.name)
+            precision = level.half_width_rel if level is not None else math.inf
+            usable = len(evidence.runs.get(first.name, ()))  # runs with a figure, not rows
+            if usable >= SEQUENTIAL_MIN_RUNS and precision <= measure.target_precision:
                 continue
             self.progress(
-                f"{first.name}: ± {precision:.1%} after {len(rows)} run(s), target ± {measure.target_precision:.1%}: "
-                "one more run"
+                f"{first.name}: ± {precision:.1%} after {len(rows)} run(s) (run-level), target "
+                f"± {measure.target_precision:.1%} with at least {SEQUENTIAL_MIN_RUNS} runs: one more run"
             )
             repeat = max(key[1] for key in self.stored if key[0] == first.name) + 1  # never an existing key
             more.append(dataclasses.replace(first, repeat=repeat, index=index + len(more)))
@@ -343,7 +411,7 @@ class Sweep:
             )
         else:
             row = self._launch_here(run, prefix)
-        row = mark(row)
+        row = sequential_mark(mark(row), run.trial.spec.measure)
         self._append(row)  # on disk before anything else can fail
         self.progress(f"{prefix}{run.name}: {row.progress_line()}")
         return row
@@ -416,9 +484,7 @@ class Sweep:
                 )
             except Exception as exc:  # the measured row is on disk; --resume runs the search again
                 error = f"{run.name}: the batch search failed: {type(exc).__name__}: {exc}"
-                logger.warning(
-                    "%s; its row is kept, `hfscale sweep --resume %s` searches again", error, self.folder.path
-                )
+                logger.warning("%s; its row is kept, resuming %s searches again", error, self.folder.path)
                 self.search_errors.append(error)
                 return
             self.searches[key] = (run.name, record)
@@ -574,9 +640,9 @@ def run_sweep(
                     raise RunFolderWriteError(folder.path, exc) from exc
             rows = sweep.run()
     except KeyboardInterrupt as exc:
-        raise SweepInterrupted(folder.path) from exc
+        raise SweepInterrupted(folder.path, resume=_resume_hint(folder.path, settings, launch, current)) from exc
     except (RunFolderWriteError, DeviceBusyError) as exc:
-        raise SweepStopped(folder.path, exc) from exc
+        raise SweepStopped(folder.path, exc, resume=_resume_hint(folder.path, settings, launch, current)) from exc
     report_paths: list[Path] = []
     report_error = None
     if report and sweep.records and folder.results_path.exists():
@@ -586,12 +652,29 @@ def run_sweep(
             memory_budget_bytes=settings.memory_budget_bytes,
             price_per_hour=settings.price_per_hour,
         )
+    have = {trial for trial, _ in sweep.stored}
     return SweepOutcome(
         run_dir=folder.path,
         rows=rows,
         report_paths=report_paths,
         report_error=report_error,
         search_errors=sweep.search_errors,
+        recipe_trials=tuple(recipe.trial_names),
+        trials_with_rows=tuple(name for name in recipe.trial_names if name in have),
+        resume=_resume_hint(folder.path, settings, launch, current),
+    )
+
+
+def _resume_hint(run_dir: Path, settings: SweepSettings, launch: LaunchInfo, environment: dict[str, Any]) -> str:
+    """The command that continues this run (:func:`hfscale.slurm.resume_command`): on several machines, every
+    machine's driver (under Slurm, a new job), never machine 0's alone."""
+    return resume_command(
+        run_dir,
+        num_machines=launch.num_machines,
+        num_processes=settings.num_processes,
+        gpus_per_node=int(environment.get("gpu_count") or 0),
+        main_addr=launch.master_addr,
+        port=launch.master_port,
     )
 
 

@@ -28,8 +28,10 @@ from hfscale.run_folder import RECIPE_FILE, RunFolderError
 from hfscale.sweep import (
     DEFAULT_OUT_DIR,
     INTERRUPTED_EXIT,
+    NOTHING_RAN_EXIT,
     STOPPED_EXIT,
     SweepInterrupted,
+    SweepOutcome,
     SweepStopped,
     run_sweep,
 )
@@ -46,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(trials that do not pin num_processes then use the launch's count). Exit status: 0 every trial has a row "
         "(failed trials included), 1 the rows are kept but the report (or a batch search) failed, 2 bad input, "
         "3 stopped: the run folder could not be written (disk full, read-only) or a device stayed in use by another "
-        "sweep (the rows are kept; continue with --resume), 130 interrupted (continue with --resume).",
+        "sweep (the rows are kept; the message names the resume), 4 no trial ran: every run was skipped before "
+        "launching (e.g. a cuda recipe where no GPU is visible; the message names the cause), 130 interrupted (the "
+        "message names the resume).",
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML, or a shipped recipe's name (optional with --resume)")
     where = parser.add_mutually_exclusive_group()
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except SweepStopped as exc:
         print(
             f"hfscale sweep: error: {exc}. Every row written before is kept in {exc.run_dir}; "
-            f"once that is fixed, continue with: hfscale sweep --resume {exc.run_dir}",
+            f"once that is fixed, continue with: {exc.resume}",
             file=sys.stderr,
         )
         return STOPPED_EXIT
@@ -207,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hfscale sweep: error: {exc}", file=sys.stderr)
         return 2
     except SweepInterrupted as exc:
+        where = "" if exc.rows_in == exc.run_dir else f" in machine 0's run folder {exc.rows_in}"
         _print(
-            "interrupted: finished trials are kept, the running one was stopped and left no row; "
-            f"continue with: hfscale sweep --resume {exc.run_dir}"
+            f"interrupted: finished trials are kept{where}, the running one was stopped and left no row; "
+            f"continue with: {exc.resume}"
         )
         return INTERRUPTED_EXIT
     except KeyboardInterrupt:
@@ -218,16 +223,36 @@ def main(argv: list[str] | None = None) -> int:
     if launch.machine_rank > 0:
         _print(f"done: machine {launch.machine_rank}'s part; its logs are in {outcome.run_dir}, the rows on machine 0")
         return 0
-    failed = [r for r in outcome.rows if r.status != "ok"]
-    _print(f"done: {outcome.run_dir} ({len(outcome.rows) - len(failed)} ok, {len(failed)} not ok)")
+    return _finish(outcome)
+
+
+def _finish(outcome: SweepOutcome) -> int:
+    """Machine 0's last lines and the exit status: what this sweep added beside what the run folder now holds,
+    what to run for anything that failed, and why nothing ran when nothing did."""
+    _print(done_line(outcome))
     for error in outcome.search_errors:
-        _print(f"{error}; the row is kept, run: hfscale sweep --resume {outcome.run_dir}")
+        _print(f"{error}; the row is kept, continue with: {outcome.resume}")
     if outcome.report_error is not None:
         _print(
             f"the results are kept but no report was written ({outcome.report_error}); "
             f"run: hfscale report {outcome.run_dir}"
         )
+    if (why := outcome.nothing_ran) is not None:
+        print(f"hfscale sweep: error: {why}", file=sys.stderr)
+        return NOTHING_RAN_EXIT
     return 1 if outcome.report_error is not None or outcome.search_errors else 0
 
 
-__all__ = ["build_parser", "main"]
+def done_line(outcome: SweepOutcome) -> str:
+    """``done: RUN: 1 row added (1 ok, 0 not ok); 4 of the recipe's 4 trials have rows``: a resumed sweep adds only
+    what was missing, so its own count alone reads as if trials were missing."""
+    failed = sum(r.status != "ok" for r in outcome.rows)
+    added = len(outcome.rows)
+    have, of = len(outcome.trials_with_rows), len(outcome.recipe_trials)
+    return (
+        f"done: {outcome.run_dir}: {added} row{'' if added == 1 else 's'} added ({added - failed} ok, {failed} not "
+        f"ok); {have} of the recipe's {of} trials {'has' if have == 1 else 'have'} rows"
+    )
+
+
+__all__ = ["build_parser", "done_line", "main"]

@@ -392,8 +392,34 @@ def _follow(
             )
             follower.put_until(f"report/{index}/{machine}", report.to_json())
     except KeyboardInterrupt as exc:
-        raise SweepInterrupted(path) from exc
+        # The rows, and so the resume, are machine 0's: this folder holds this machine's logs only.
+        raise SweepInterrupted(
+            path, resume=machine_zero_resume(plan, launch, record), rows_in=Path(plan["run_dir"])
+        ) from exc
+    except MachineZeroGone as exc:
+        raise SweepError(
+            f"machine {machine}: {exc}; the runs it had not started are left to a resume of machine 0's run folder "
+            f"{plan['run_dir']}; continue with: {machine_zero_resume(plan, launch, record)}"
+        ) from None
     return path
+
+
+def machine_zero_resume(plan: Mapping[str, Any], launch: LaunchInfo, record: Mapping[str, Any] | None) -> str:
+    """What continues the run machine ``k`` took part in: machine 0's run folder resumed by every machine's driver
+    (:func:`hfscale.slurm.resume_command`), never ``--resume`` of machine ``k``'s own folder, which holds only its
+    logs."""
+    from hfscale.plan import SweepSettings
+    from hfscale.slurm import resume_command
+
+    recorded = SweepSettings.from_dict(plan.get("settings") or {})
+    return resume_command(
+        plan["run_dir"],
+        num_machines=recorded.num_machines or launch.num_machines,
+        num_processes=recorded.num_processes,
+        gpus_per_node=int((record or {}).get("gpu_count") or 0),
+        main_addr=launch.master_addr,
+        port=launch.master_port,
+    )
 
 
 def follow_sweep(
@@ -487,6 +513,7 @@ __all__ = [
     "lead_run",
     "machine_ranks",
     "machine_report",
+    "machine_zero_resume",
     "merge_machine_reports",
     "sees_run_folder",
     "write_received_environments",

@@ -25,8 +25,8 @@ field                         read from
 ``optimizer_state_dtypes``    dtypes of its state tensors (``uint8``: 8-bit states happened)
 ``optimizer_implementation``  a torch optimizer's kernel: ``fused``, ``foreach`` or ``for-loop`` (its ``fused`` and
                               ``foreach`` options, an unset one resolved as torch resolves it)
-``fsdp_sharding``,            FSDP2: whether the wrapped blocks reshard after forward (``full_shard``) or not
-``fsdp_cpu_offload``          (``shard_grad_op``), a 2-D mesh (``hybrid_shard``) and the ``CPUOffloadPolicy``;
+``fsdp_sharding``,            FSDP2: whether the wrapped blocks reshard after forward (``full_shard``, on a 2-D
+``fsdp_cpu_offload``          mesh ``hybrid_shard``) or not (``shard_grad_op``) and the ``CPUOffloadPolicy``;
                               FSDP1: the wrapper's ``sharding_strategy`` and ``cpu_offload.offload_params``
 ``global_batch_size``         samples per optimizer step across ranks: as the trial counted them in the batches,
                               else the DeepSpeed engine's ``train_batch_size()``, else the Trainer's batch (after any
@@ -281,9 +281,9 @@ def _fsdp_facts(model_wrapped: Any, model: Any, wrapper: Wrapper) -> tuple[FsdpS
             return None, None
         inner = [g for is_root, g in groups if not is_root] or [g for _, g in groups]
         offload = any(isinstance(g.offload_policy, CPUOffloadPolicy) for _, g in groups)
-        if any(isinstance(g.mesh_info, HSDPMeshInfo) for g in inner):
-            return "hybrid_shard", offload
         reshards = any(g.post_forward_mesh_info is not None for g in inner)
+        if reshards and any(isinstance(g.mesh_info, HSDPMeshInfo) for g in inner):
+            return "hybrid_shard", offload  # the mesh itself is compared by multi_machine.check (fsdp_mesh)
         return ("full_shard" if reshards else "shard_grad_op"), offload
     except (ImportError, AttributeError) as exc:
         logger.warning("FSDP2's sharding and offload could not be read (torch internals moved?): %s", exc)
@@ -406,11 +406,14 @@ def _expects_sharded_params(strategy: Strategy) -> bool:
     return strategy.fsdp is not None and (strategy.fsdp.version == 2 or strategy.fsdp.sharding != "no_shard")
 
 
-def _shard_group_size(strategy: Strategy) -> int:
-    """Ranks one parameter is split over: all of them, or one machine's under hybrid sharding."""
-    if strategy.fsdp is not None and strategy.fsdp.sharding == "hybrid_shard":
-        return strategy.num_processes // strategy.num_machines
-    return strategy.num_processes
+def _expected_fsdp_sharding(strategy: Strategy) -> FsdpSharding:
+    """The sharding FSDP reports running for ``strategy``: what was asked, except that ``full_shard`` on a mesh that
+    replicates (``parallelism.dp_replicate > 1``) is hybrid sharding (accelerate hands FSDP2 the 2-D mesh)."""
+    asked = strategy.fsdp.sharding  # type: ignore[union-attr]
+    fsdp_mesh = strategy.fsdp_mesh
+    if asked == "full_shard" and fsdp_mesh is not None and "dp_replicate" in fsdp_mesh:
+        return "hybrid_shard"
+    return asked
 
 
 def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> list[str]:
@@ -457,9 +460,13 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
             )
 
     if strategy.fsdp is not None:
-        asked_sharding = strategy.fsdp.sharding
-        if rec.fsdp_sharding is not None and rec.fsdp_sharding != asked_sharding:
-            problems.append(f"FSDP runs {rec.fsdp_sharding}, fsdp.sharding={asked_sharding!r} was asked for")
+        expected_sharding = _expected_fsdp_sharding(strategy)
+        if rec.fsdp_sharding is not None and rec.fsdp_sharding != expected_sharding:
+            asked_sharding = f"fsdp.sharding={strategy.fsdp.sharding!r} was asked for"
+            if expected_sharding != strategy.fsdp.sharding:
+                layout = " x ".join(f"{k} {v}" for k, v in (strategy.fsdp_mesh or {}).items())
+                asked_sharding = f"expected {expected_sharding} for {asked_sharding} on a mesh of {layout}"
+            problems.append(f"FSDP runs {rec.fsdp_sharding}, {asked_sharding}")
         if rec.fsdp_cpu_offload is not None and rec.fsdp_cpu_offload != strategy.fsdp.cpu_offload:
             problems.append(
                 f"FSDP CPU offload is {rec.fsdp_cpu_offload}, "
@@ -468,7 +475,7 @@ def check(strategy: Strategy, record: VerificationRecord | dict[str, Any]) -> li
 
     held = f"{rec.params_local_max:,} of {rec.params_total:,} parameter elements on the fullest rank"
     if _expects_sharded_params(strategy):
-        shards = _shard_group_size(strategy)
+        shards = strategy.shard_group_size
         if rec.params_local_max > _SHARD_SLACK * rec.params_total / shards:
             problems.append(f"parameters are not sharded: {held}, expected about 1/{shards}")
     elif rec.sharded and not mesh.tensor_parallel(strategy):  # tp shards Linear weights: mesh.check reads them

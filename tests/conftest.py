@@ -43,6 +43,14 @@ TINY_BERT = dict(
     num_labels=2,
 )
 TINY_GPT2 = dict(vocab_size=30522, n_embd=64, n_layer=2, n_head=2, n_positions=512)
+TINY_LLAMA = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def launch_as_sweep(
@@ -80,6 +88,21 @@ def launch_as_sweep(
     assert len(outcome.loss_curve) == steps
     assert all(math.isfinite(x) for x in outcome.loss_curve), outcome.loss_curve
     return outcome
+
+
+def counted_flops_per_token(model, batch: int, seq_len: int) -> float:
+    """FLOPs per token of one training forward and backward of ``model`` (a causal or masked LM, labels = inputs)
+    as torch's own FLOP counter (``torch.utils.flop_counter.FlopCounterMode``) counts them: the independent
+    expectation for :mod:`hfscale.flops`' formula."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)
 
 
 @pytest.fixture
@@ -135,7 +158,7 @@ TINY_SWEEP_RECIPE = {
     "model": {"type": "bert", "task": "classification", "config": dict(TINY_BERT)},
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
     "training_args": {"report_to": "none", "seed": 0},
-    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 120},
+    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 120, "repeats": 1},
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "baseline": "fp32",
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},

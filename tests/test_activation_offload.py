@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_BERT, launch_as_sweep
+from conftest import TINY_BERT, TINY_LLAMA, launch_as_sweep
 
 from hfscale.activation_offload import (
     ActivationOffload,
@@ -198,6 +198,78 @@ def test_autocast_weight_casts_are_not_offloaded():
     assert offload.first.skipped >= 1  # the second layer's weight cast, saved for the input's gradient
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_LLAMA)
+    return LlamaForCausalLM(config).train()
+
+
+def _saved_activations(model, ids) -> tuple[int, set[int]]:
+    """(saves, storage addresses) of what autograd saves in one step, non-parameters of at least 1 KiB, counted by
+    plain pass-through hooks (they keep every tensor alive, so no address is reused within the step)."""
+    saves, storages = 0, set()
+
+    def pack(tensor):
+        nonlocal saves
+        if not isinstance(tensor, torch.nn.Parameter) and tensor.numel() * tensor.element_size() >= 1024:
+            saves += 1
+            storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return saves, storages
+
+
+def test_offload_counts_each_storage_once():
+    """A tiny Llama saves 73 activations that share 53 storages (a tensor saved by several operations, views of
+    one tensor): the counts are the 53, with their bytes, not 73 copies (3.09 MiB against 2.18 MiB unique)."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 1000, (4, 32))
+    saves, storages = _saved_activations(model, ids)
+    assert saves > len(storages)
+    model.zero_grad(set_to_none=True)
+
+    offload = ActivationOffload()
+    with offload:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert offload.first.tensors == len(storages)
+    assert offload.first.saves == saves
+
+
+def test_offload_copies_each_storage_once_and_gradients_are_unchanged(monkeypatch):
+    """The copy path, run on CPU by treating host tensors as device ones: one host copy per storage, every saved
+    view rebuilt on it (dtype, shape, strides, offset), and the gradients bit for bit those of no offload."""
+    from hfscale import activation_offload
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 1000, (4, 32))
+    _, storages = _saved_activations(model, ids)
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    copied: list[int] = []
+
+    class CountedCopy(activation_offload._HostCopy):
+        def __init__(self, storage, device, pin) -> None:
+            copied.append(storage.nbytes())
+            super().__init__(storage, device, pin)
+
+    monkeypatch.setattr(activation_offload, "_in_host_memory", lambda tensor: False)
+    monkeypatch.setattr(activation_offload, "_HostCopy", CountedCopy)
+    offload = ActivationOffload(pin_memory=False)
+    with offload:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert len(copied) == len(storages) == offload.first.tensors
+    assert sum(copied) == offload.first.bytes
+    for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_data_parallel_refused():
     from types import SimpleNamespace
 
@@ -215,9 +287,9 @@ def test_hooks_do_not_reach_other_threads():
         thread = threading.Thread(target=lambda: (x * x).sum())
         thread.start()
         thread.join()
-        assert offload.last.tensors == 0
+        assert offload.last.saves == 0
         (x * x).sum()
-    assert offload.last.tensors == 2
+    assert (offload.last.saves, offload.last.tensors) == (2, 1)  # x saved twice: one storage
 
 
 def test_min_bytes_refused_by_name():

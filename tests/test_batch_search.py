@@ -222,7 +222,7 @@ def _axis_recipe(tmp_path, batch: str, **measure) -> str:
         "device": "cpu",
         "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},
         "data": {"num_samples": 32, "seq_len": 16},
-        "measure": {"warmup_steps": 1, **measure},
+        "measure": {"warmup_steps": 1, "repeats": 1, **measure},
         "sweep": {"batch": batch, "max_batch_limit": 64},
         "defaults": {"per_device_batch_size": 4},
         "trials": [{"name": "fp32"}, {"name": "ckpt", "gradient_checkpointing": True}],

@@ -591,6 +591,20 @@ def _sync_is_an_error_inside_steps(monkeypatch, *callbacks) -> None:
         monkeypatch.setattr(callback, "_finish", under("default", callback._finish))
 
 
+def _counted_classifier_flops_per_token(seq_len: int) -> float:
+    """FLOPs per token of one training step of the tiny BERT classifier, as torch's FLOP counter counts them on CPU
+    with eager attention (its matmuls are what the counter sees)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**TINY_BERT, attn_implementation="eager")).train()
+    ids = torch.randint(100, 1000, (2, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+    return counter.get_total_flops() / (2 * seq_len)
+
+
 @pytest.mark.gpu
 def test_cuda_allocator_phases_events_and_nvml(tmp_path, monkeypatch):
     import torch
@@ -627,8 +641,19 @@ def test_cuda_allocator_phases_events_and_nvml(tmp_path, monkeypatch):
     assert s.timer == "cuda_events" and s.measured_steps == 6
     assert s.step_time_median_s > 0 and s.samples_per_step == 16
     assert s.device_name == torch.cuda.get_device_name()
+    # The callback's FLOPs against torch's FLOP counter on the same model and sequence length: 1.044x, the pooler
+    # and classifier (in N, but run on the first token only) and the biases and LayerNorms (no matmul).
+    counted = _counted_classifier_flops_per_token(seq_len=256)
+    assert s.tokens_per_sample == 256 and s.flops_per_token == pytest.approx(counted, rel=0.05)
     if s.peak_flops_per_s is not None:
-        assert 0 < s.mfu < 1
+        from hfscale.flops import DEVICE_PEAK_FLOPS, canonical_device
+
+        # The datasheet's dense peak for this device and the dtype the run computed in, and the counted work per
+        # second (one device) below it: an MFU that is a fraction of something real.
+        assert s.peak_flops_per_s == DEVICE_PEAK_FLOPS[canonical_device(s.device_name)][s.compute_dtype]
+        achieved = s.tokens_per_s * counted
+        assert 0 < achieved < s.peak_flops_per_s
+        assert s.mfu == pytest.approx(achieved / s.peak_flops_per_s, rel=0.05)
 
 
 def test_a_skipped_first_optimizer_step_is_measured_at_the_first_step_that_runs(tmp_path):

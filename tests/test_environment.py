@@ -29,6 +29,24 @@ def test_hfscale_version_and_commit_of_this_checkout():
     assert Path(install["source"]) == Path(hfscale.__file__).parent
 
 
+def test_one_version_installed_and_recorded():
+    """``hfscale.__version__`` is the one source: pyproject.toml reads it, and the installed metadata and
+    environment.json carry it (both said 0.1.0 two releases after 0.1, so ``compare`` could not tell versions
+    apart). An editable install records its metadata when installed: reinstall after a version bump."""
+    from packaging.version import Version
+
+    import hfscale
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in pyproject["project"] and pyproject["project"]["dynamic"] == ["version"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hfscale.__version__"}
+    assert Version(hfscale.__version__) >= Version("0.4.0.dev0")  # the release in progress after 0.3
+    assert metadata.version("hfscale") == hfscale.__version__
+    record = collect_environment()
+    assert record["hfscale"]["version"] == record["packages"]["hfscale"] == hfscale.__version__
+
+
 def test_hfscale_version_when_not_installed_and_not_a_checkout(monkeypatch):
     """The H100 run recorded `hfscale: null` and `git: null`: run from a source folder that pip did not install.
     The package's own version is recorded then; a copy that is not a checkout records the version, commit None."""

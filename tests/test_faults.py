@@ -29,7 +29,7 @@ import yaml
 from hfscale.device_lock import DeviceBusyError, hold_devices
 from hfscale.process import PID_FILE_ENV, clean_environment, group_members
 from hfscale.run_folder import RunFolder, read_results
-from hfscale.sweep import STOPPED_EXIT, run_sweep
+from hfscale.sweep import NOTHING_RAN_EXIT, STOPPED_EXIT, run_sweep
 from hfscale.sweep_cli import main
 
 PY = sys.executable
@@ -44,7 +44,7 @@ LONG = {
     "device": "cpu",
     "model": MODEL,
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
-    "measure": {"max_steps": 100000, "warmup_steps": 1, "timeout_s": 300},
+    "measure": {"max_steps": 100000, "warmup_steps": 1, "timeout_s": 300, "repeats": 1},
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "defaults": {"per_device_batch_size": 4, "num_processes": 1},
     "trials": [{"name": "long"}],
@@ -55,6 +55,7 @@ SKIPPED = {
     "device": "cpu",
     "model": MODEL,
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
+    "measure": {"repeats": 1},
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
     "trials": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
 }
@@ -121,7 +122,7 @@ def test_a_trial_does_not_outlive_its_driver_killed_with_sigkill(tmp_path):
 
 def test_resume_ends_a_trial_of_its_folder_that_still_runs_before_it_starts(tmp_path):
     run = tmp_path / "run"
-    assert main([str(_recipe(tmp_path, SKIPPED)), "--run-dir", str(run), *NOTHING_FITS]) == 0
+    assert main([str(_recipe(tmp_path, SKIPPED)), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     # What a driver killed before the watchdog existed left: a trial group still running, and its pid file.
     pid_file = run / "trials" / "b" / "pid"
     pid_file.parent.mkdir(parents=True)
@@ -152,7 +153,7 @@ TWO_PROCESSES = {
     "model": MODEL,
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
     "training_args": {"report_to": "none"},
-    "measure": {"max_steps": 2, "warmup_steps": 1, "timeout_s": 120},
+    "measure": {"max_steps": 2, "warmup_steps": 1, "timeout_s": 120, "repeats": 1},
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "defaults": {"per_device_batch_size": 2, "num_processes": 2, "optimizer": "adamw_torch"},
     "trials": [{"name": "ddp"}],
@@ -258,7 +259,7 @@ def test_a_row_that_cannot_be_written_stops_the_sweep_naming_the_path_and_resume
     assert f"continue with: hfscale sweep --resume {run}" in err
     assert [r.trial for r in RunFolder(run).rows(on_bad_line="raise")] == ["a"]
     monkeypatch.undo()
-    assert main(["--resume", str(run), "--no-report"]) == 0
+    assert main(["--resume", str(run), "--no-report"]) == NOTHING_RAN_EXIT  # b and c skipped, as a was
     assert [r.trial for r in RunFolder(run).rows(on_bad_line="raise")] == ["a", "b", "c"]
 
 
@@ -302,7 +303,7 @@ def test_a_read_only_and_a_full_filesystem_keep_every_row_and_resume_finishes(tm
     point, remount = small_tmpfs
     recipe = _recipe(tmp_path, SKIPPED)
     run = point / "run"
-    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == 0
+    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     results = run / "results.jsonl"
     lines = results.read_text().splitlines(keepends=True)
     results.write_text("".join(lines[:2]))  # as if the sweep had stopped before "c"
@@ -331,7 +332,7 @@ def test_a_read_only_and_a_full_filesystem_keep_every_row_and_resume_finishes(tm
     assert results.read_bytes() == kept  # nothing lost, nothing half-written
 
     filler.unlink()
-    assert main(["--resume", str(run), "--no-report"]) == 0
+    assert main(["--resume", str(run), "--no-report"]) == NOTHING_RAN_EXIT  # c skipped, as a and b were
     assert [r.trial for r in read_results(run)] == ["a", "b", "c"]
 
 

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_GPT2
-from torch.utils.flop_counter import FlopCounterMode
+from conftest import TINY_GPT2, counted_flops_per_token
 
 from hfscale.flops import (
     DEVICE_PEAK_FLOPS,
@@ -51,13 +50,24 @@ def _small_vocab_bert(*, tied: bool):
     return BertForMaskedLM(config)
 
 
-def _counted_flops_per_token(model, batch: int, seq_len: int) -> float:
-    model.train()
-    torch.manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=ids, labels=ids).loss.backward()
-    return counter.get_total_flops() / (batch * seq_len)
+def _qwen3_with_wide_heads():
+    """A tiny Qwen3: 4 query heads x head_dim 32 = 128 attention width on a hidden size of 64 (Qwen3-0.6B has 16 x
+    128 on 1024), 2 key/value heads (grouped-query attention)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return Qwen3ForCausalLM(config)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -68,18 +78,29 @@ def test_formula_matches_torch_flop_counter(build, tied):
     model = build(tied=tied)
     head = model.get_output_embeddings().weight
     assert (head is model.get_input_embeddings().weight) is tied
-    counted = _counted_flops_per_token(model, batch=2, seq_len=64)
+    counted = counted_flops_per_token(model, batch=2, seq_len=64)
     formula = model_flops_per_token(model, 64)
     # The counter sees matmuls only; biases and LayerNorm weights (in N, ~1.5% here) do no matmul work.
     assert formula == pytest.approx(counted, rel=0.03)
+
+
+def test_attention_counts_heads_times_head_dim_not_the_hidden_size():
+    """Qwen3 sets head_dim apart from hidden / heads: the attention term is query heads x head_dim (128 here), and
+    the hidden size (64) read 0.89x of torch's count at 64 tokens and 0.735x at 256 (the attention term grows with
+    the context). torch's FLOP counter is the expectation; within 3% (RMSNorm weights in N do no matmul)."""
+    model = _qwen3_with_wide_heads()
+    assert model.config.num_attention_heads * model.config.head_dim != model.config.hidden_size
+    for seq_len in (64, 256):
+        counted = counted_flops_per_token(model, batch=2, seq_len=seq_len)
+        assert model_flops_per_token(model, seq_len) == pytest.approx(counted, rel=0.03), seq_len
 
 
 def test_recomputation_is_not_counted_as_useful_work():
     plain = _small_vocab_gpt2(tied=False)
     checkpointed = _small_vocab_gpt2(tied=False)
     checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    counted_plain = _counted_flops_per_token(plain, batch=2, seq_len=64)
-    counted_ckpt = _counted_flops_per_token(checkpointed, batch=2, seq_len=64)
+    counted_plain = counted_flops_per_token(plain, batch=2, seq_len=64)
+    counted_ckpt = counted_flops_per_token(checkpointed, batch=2, seq_len=64)
     # Checkpointing really does more arithmetic (the layers' forward runs twice) ...
     assert counted_ckpt > 1.15 * counted_plain
     # ... but the model FLOPs stay those of one forward and one backward.
@@ -118,11 +139,11 @@ def test_zero3_partitioned_parameters_count_their_full_size():
 
 
 def test_formula_terms():
-    assert transformer_flops_per_token(non_embedding_params=1000, num_layers=2, hidden_size=8, seq_len=16) == (
+    assert transformer_flops_per_token(non_embedding_params=1000, num_layers=2, attention_width=8, seq_len=16) == (
         6 * 1000 + 12 * 2 * 8 * 16
     )
     with pytest.raises(ValueError, match="seq_len"):
-        transformer_flops_per_token(non_embedding_params=1000, num_layers=2, hidden_size=8, seq_len=0)
+        transformer_flops_per_token(non_embedding_params=1000, num_layers=2, attention_width=8, seq_len=0)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         model_flops_per_token(torch.nn.Linear(2, 2), 16)
 

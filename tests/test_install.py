@@ -39,6 +39,19 @@ def _run(command: list[str], *, cwd: Path, env: dict[str, str], timeout: float =
     return done
 
 
+def _source_version() -> str:
+    """``__version__`` as this source tree states it, read without importing (the version pyproject.toml takes)."""
+    import ast
+
+    tree = ast.parse((REPO / "hfscale" / "__init__.py").read_text(encoding="utf-8"))
+    (value,) = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+    ]
+    return value
+
+
 def _build_wheel(tmp: Path) -> Path:
     source = tmp / "source"
     source.mkdir()
@@ -100,6 +113,11 @@ def test_wheel_in_a_fresh_venv_runs_a_shipped_recipe_by_name(tmp_path):
 
     where = _run([str(venv / "bin" / "python"), "-c", "import hfscale; print(hfscale.__file__)"], cwd=work, env=env)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    # One version: the wheel's name, the installed metadata and the package's __version__ (pyproject reads it).
+    version = _source_version()
+    assert wheel.name == f"hfscale-{version}-py3-none-any.whl"
+    read = "import hfscale; from importlib.metadata import version; print(version('hfscale'), hfscale.__version__)"
+    assert _run([str(venv / "bin" / "python"), "-c", read], cwd=work, env=env).stdout.split() == [version] * 2
 
     listed = _run([hfscale, "recipes"], cwd=work, env=env).stdout.splitlines()
     assert sorted(line.split()[0] for line in listed[1:] if line.strip() and not line.startswith("Run ")) == (
@@ -119,8 +137,10 @@ def test_wheel_in_a_fresh_venv_runs_a_shipped_recipe_by_name(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["run"]
     assert (run / "recipe.yaml").read_text(encoding="utf-8") == shown
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines()]
-    # cpu_small runs every trial twice (interleaved): two rows of fp32.
-    assert [(row["trial"], row["repeat"], row["status"]) for row in rows] == [("fp32", 0, "ok"), ("fp32", 1, "ok")]
+    # cpu_small runs every trial five times (interleaved): five rows of fp32.
+    assert [(row["trial"], row["repeat"], row["status"]) for row in rows] == [("fp32", k, "ok") for k in range(5)]
     for name in ("report.md", "report.html"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     assert "| fp32 |" in (run / "report.md").read_text(encoding="utf-8")
+    recorded = json.loads((run / "environment.json").read_text(encoding="utf-8"))
+    assert recorded["hfscale"]["version"] == recorded["packages"]["hfscale"] == version

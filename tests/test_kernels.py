@@ -133,6 +133,49 @@ def test_a_compiled_ddp_model_is_still_seen_as_ddp(tmp_path):
         dist.destroy_process_group()
 
 
+class _OwnForward(torch.nn.Module):
+    """A model class of this test's own: dynamo keeps compiled code on the ``forward`` code object, which no other
+    test compiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+def test_compiling_another_function_does_not_make_an_uncompiled_model_pass():
+    """The model is wrapped by torch.compile but its forward ran eagerly (the module inside the wrapper was
+    called), while another function in the process was compiled: the process-wide graph count said "compiled";
+    the model's own forward code holds no compiled code, so it is not."""
+    x = torch.randn(2, 4)
+    compiled = torch.compile(_OwnForward(), backend="eager")
+    compiled._orig_mod(x)
+    torch.compile(lambda t: t * 2 + 1, backend="eager")(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert kernels.compile_facts(compiled)["compiled"] is False
+
+    compiled(x)  # now through dynamo: the forward's own code is compiled by this wrapper's backend
+    facts = kernels.compile_facts(compiled)
+    assert facts["compiled"] is True and facts["compile_backend"] == "eager"
+    # Another wrapper of the same class with a different backend has compiled nothing of its own.
+    assert kernels.compile_facts(torch.compile(_OwnForward(), backend="aot_eager"))["compiled"] is False
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"])
+def test_compile_mode_is_read_back_and_a_mismatch_caught(mode):
+    """inductor keeps the mode as its options only (``triton.cudagraphs`` for reduce-overhead, ...): the mode is
+    read back from them, and a strategy asking for another mode gets a mismatch naming both."""
+    facts = kernels.compile_facts(torch.compile(_OwnForward(), mode=mode))  # built, not run: no inductor compile
+    assert facts["compile_backend"] == "inductor" and facts["compile_mode"] == mode
+    ran = _record(**(facts | {"compiled": True}))
+    assert kernels.check(Strategy(torch_compile=CompileSpec(mode=mode)), ran) == []
+    other = "max-autotune" if mode != "max-autotune" else "default"
+    problems = kernels.check(Strategy(torch_compile=CompileSpec(mode=other)), ran)
+    assert problems == [f"torch.compile ran in mode {mode!r}, torch_compile.mode={other!r} was asked for"]
+
+
 # -- verified from inside real runs --------------------------------------------------------------------------------
 
 
@@ -211,6 +254,8 @@ def _record(**changes) -> VerificationRecord:
         (Strategy(torch_compile=CompileSpec()), _record(compiled=True, tf32_matmul=True), "turns TF32 on"),
         (Strategy(torch_compile=CompileSpec()), _record(compiled=True, compile_backend="eager"), "backend 'eager'"),
         (Strategy(), _record(compiled=True, compile_backend="inductor"), "asks for no torch_compile"),
+        (Strategy(torch_compile=CompileSpec(mode="max-autotune")),
+         _record(compiled=True, compile_backend="inductor", compile_mode="default"), "mode 'default'"),
         (Strategy(attn_implementation="flash_attention_2", precision="bf16"), _record(attn_implementation="sdpa"),
          "'sdpa'.*'flash_attention_2' was asked"),
         (Strategy(attn_implementation="eager"), _record(attn_implementation="eager", attention_scores_kept=False),

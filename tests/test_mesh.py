@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,78 @@ def test_a_batch_mismatch_names_the_data_parallel_replicas_not_the_processes():
                               parallelism=ParallelismSpec(tp=2)), rec)  # fmt: skip
     assert any("8 samples per optimizer step across ranks ran, 4 were asked for (batch 4 x accumulation 1 x 1 "
                "data-parallel replica(s))" in p for p in problems), problems  # fmt: skip
+
+
+# -- hybrid sharding through the device mesh -----------------------------------------------------------------------
+
+HSDP_MESH = Strategy(
+    name="hsdp-mesh", device="cpu", num_processes=4, per_device_batch_size=4, optimizer="adamw_torch",
+    fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_replicate=2, dp_shard=2),
+)  # fmt: skip
+
+
+def fsdp2_record_on_a_fake_world(dp_replicate: int, dp_shard: int) -> VerificationRecord:
+    """Rank 0's record of an FSDP2 ``full_shard`` run of the tiny Llama on a ``dp_replicate x dp_shard`` mesh, read
+    by the collectors a trial runs from a real ``fully_shard`` model. The mesh is built as accelerate builds it
+    (``ParallelismConfig.build_device_mesh``) and FSDP2 is applied on its ``fsdp_dim_names`` sub-mesh, as
+    accelerate's ``fsdp2_prepare_model`` does, in this one process over torch's fake process group (world 4, no
+    communication: every rank holds the same share, so the gathered counts are rank 0's four times). No training
+    step runs: the fields a step fills (dtype, batch) are what a correct run records."""
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfscale import multi_machine
+    from hfscale.verify import _fsdp_facts, _qualname, _wrapper_kind, count_parameters
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp_replicate * dp_shard)
+    try:
+        pc = ParallelismConfig(dp_replicate_size=dp_replicate, dp_shard_size=dp_shard)
+        device_mesh = pc.build_device_mesh("cpu")
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
+        fully_shard(model, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
+        total, local = count_parameters(model)
+        sharding, offload = _fsdp_facts(model, model, _wrapper_kind(model))
+        fsdp_mesh, shard_ranks = multi_machine.fsdp_mesh_facts(model)
+        device_mesh_sizes = mesh._mesh_sizes(types.SimpleNamespace(device_mesh=device_mesh))
+        return VerificationRecord(
+            distributed_type="FSDP", world_size=4, device="cpu", mixed_precision="no", wrapper=_wrapper_kind(model),
+            wrapper_class=_qualname(model), params_total=total, params_local_per_rank=[local] * 4,
+            linear_layer="model.layers.0.self_attn.q_proj", linear_output_dtype="float32",
+            optimizer_class="torch.optim.adamw.AdamW", optimizer_implementation="foreach",
+            fsdp_sharding=sharding, fsdp_cpu_offload=offload, global_batch_size=16,
+            machine_rank_per_rank=[0] * 4, hostname_per_rank=["host-a"] * 4, fsdp_mesh=fsdp_mesh,
+            fsdp_shard_groups=[shard_ranks], device_mesh=device_mesh_sizes,
+            linear_weight_placements=mesh._linear_weight_placements(model),
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_shard_on_a_replicating_mesh_is_verified_as_hybrid_sharding():
+    """FSDP2 ``full_shard`` with ``parallelism: {dp_replicate: 2, dp_shard: 2}`` runs hybrid-sharded: FSDP2 reads
+    an HSDP mesh and each rank holds half the parameters. Verification expects what the mesh implies; it expected
+    ``full_shard`` and a quarter (the row was ``not_applied``)."""
+    record = fsdp2_record_on_a_fake_world(dp_replicate=2, dp_shard=2)
+    assert record.fsdp_sharding == "hybrid_shard" and record.fsdp_mesh == {"dp_replicate": 2, "dp_shard": 2}
+    assert record.params_local_max == record.params_total // 2
+    assert record.device_mesh == {"dp_replicate": 2, "dp_shard": 2}
+    assert check(HSDP_MESH, record) == []
+    # The estimate divides the model states by the same group (hfscale.estimate.states.shard_group).
+    assert HSDP_MESH.shard_group_size == 2 and HSDP_MESH.fsdp_mesh == {"dp_replicate": 2, "dp_shard": 2}
+
+
+def test_a_flat_mesh_where_the_device_mesh_replicates_is_caught():
+    """The fallback: a flat mesh of 4 where dp_replicate 2 x dp_shard 2 was asked (a quarter per rank, every
+    all-gather across all ranks) is named by the sharding, the mesh and the share held."""
+    flat = fsdp2_record_on_a_fake_world(dp_replicate=1, dp_shard=4)
+    assert flat.fsdp_sharding == "full_shard" and flat.params_local_max == flat.params_total // 4
+    problems = check(HSDP_MESH, flat)
+    assert any("FSDP runs full_shard, expected hybrid_shard for fsdp.sharding='full_shard'" in p for p in problems)
+    assert any("FSDP2 sharded on a mesh of dp_shard 4, expected dp_replicate 2 x dp_shard 2" in p for p in problems)
+    assert any("sharded further than hybrid_shard asks" in p for p in problems), problems
+    assert any("the device mesh that ran is dp_shard 4" in p for p in problems), problems

@@ -323,3 +323,56 @@ def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_p
     lora = recipe.trials[1].spec.strategy.lora
     assert lora is not None and lora.rank == 4 and lora.alpha == 16  # the rest of the section is its defaults
     assert load_recipe(write(tmp_path, BASE)).sweep.batch == "fixed"
+
+
+def test_a_batch_larger_than_the_data_set_is_refused_at_load(tmp_path):
+    # Issue 28: 16 samples and a per-device batch of 64 loaded, launched, and ran one step of 16 (not_applied).
+    big = with_(trials=[{"name": "a"}, {"name": "b"}, {"name": "c", "per_device_batch_size": 64}])
+    with pytest.raises(
+        RecipeError,
+        match=re.escape(
+            "x.yaml: trials[2].per_device_batch_size: one optimizer step takes 64 samples (batch 64 x accumulation 1 "
+            "x 1 data-parallel replica(s)), more than data.num_samples 16"
+        ),
+    ):
+        load_recipe(write(tmp_path, big))
+    # Processes and accumulation count too; the matrix names its trial.
+    pair = with_(trials=[{"name": "ddp", "num_processes": 2, "gradient_accumulation_steps": 4}])
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.per_device_batch_size: one optimizer step takes 32 samples"):
+        load_recipe(write(tmp_path, pair))
+    matrix = with_(trials=[], matrix={"per_device_batch_size": [8, 32]})
+    with pytest.raises(RecipeError, match=r"x\.yaml: matrix\[bs32\]\.per_device_batch_size: .* data\.num_samples 16"):
+        load_recipe(write(tmp_path, matrix))
+    # A trial that follows the launch's process count is checked against it when the sweep resolves it.
+    recipe = load_recipe(write(tmp_path, BASE))
+    assert [t.spec.strategy.num_processes for t in recipe.resolve(num_processes=4)] == [4, 4]  # 16 samples: fits
+    with pytest.raises(
+        RecipeError,
+        match=re.escape("x.yaml: trials[0] (with the launch's num_processes=8): per_device_batch_size: one optimizer"),
+    ):
+        recipe.resolve(num_processes=8)
+
+
+def test_trial_names_are_read_without_building_a_model(tmp_path, monkeypatch):
+    """What a finished run's reader needs (the report's coverage line): the names, as the full load gives them."""
+    import hfscale.recipe_checks
+    from hfscale.catalog import RECIPES_DIR
+    from hfscale.recipe import read_trial_names
+
+    matrix = {"deepspeed.zero_stage": [1, 2], "precision": ["fp32", "bf16"]}
+    unnamed = [{"precision": "bf16"}, {"deepspeed.zero_stage": 2, "num_processes": 2}]
+    recipes = [
+        *sorted(RECIPES_DIR.glob("*.yaml")),
+        write(tmp_path, with_(trials=[{"name": "baseline"}], matrix=matrix, defaults={"num_processes": 2}), "m.yaml"),
+        write(tmp_path, with_(trials=unnamed), "a.yaml"),
+    ]
+    expected = {path: load_recipe(path).trial_names for path in recipes}
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("read_trial_names validated a model")
+
+    monkeypatch.setattr(hfscale.recipe_checks, "check_model", no_model)
+    for path in recipes:
+        assert read_trial_names(path) == expected[path], path.name
+    with pytest.raises(RecipeError, match=r"x\.yaml: trials\[0\]: expected a mapping"):
+        read_trial_names(write(tmp_path, with_(trials=["fp32"])))

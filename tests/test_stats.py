@@ -1,102 +1,105 @@
-"""Intervals, ratios and ties, checked against distributions whose true values are known."""
+"""hfscale.stats: run-level intervals from pooled noise, the families of comparisons, and the within-run
+diagnostics; each figure against one computed another way (scipy's own Dunnett test, a hand-pooled variance)."""
+
+from __future__ import annotations
 
 import math
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
-from hfscale.stats import (
-    Interval,
-    bootstrap_interval,
-    coefficient_of_variation,
-    ratio_interval,
-    repeat_spread,
-    verdict,
-)
+from hfscale import stats
 
 
-@pytest.mark.parametrize("statistic", ["mean", "median"])
-def test_the_95_percent_interval_covers_the_true_value_about_95_percent_of_the_time(statistic):
+def test_pooled_noise_is_the_one_way_anova_within_trial_variance() -> None:
+    runs = {"a": [100.0, 110.0], "b": [50.0, 55.0, 52.0], "c": [80.0]}  # c: one run, no degrees of freedom
+    noise = stats.pooled_noise(runs)
+    logs = [np.log(runs["a"]), np.log(runs["b"])]
+    squares = sum(float(((g - g.mean()) ** 2).sum()) for g in logs)
+    assert noise.df == 3 and noise.trials == ("a", "b")
+    assert noise.sd == pytest.approx(math.sqrt(squares / 3))
+    assert stats.pooled_noise({"a": [1.0], "b": [2.0]}).df == 0
+
+
+def test_dunnett_critical_value_matches_scipys_dunnett_test() -> None:
     rng = np.random.default_rng(1)
-    true = 0.1  # the mean and the median of a normal distribution
-    covered = 0
-    trials = 300
-    for k in range(trials):
-        sample = rng.normal(true, 0.01, size=60)
-        covered += bootstrap_interval(sample, statistic=statistic, resamples=1000, seed=k).contains(true)
-    # Percentile intervals run a little narrow on 60 samples; 300 trials give a binomial sd of ~1.3%.
-    assert 0.89 <= covered / trials <= 0.99, covered / trials
+    control = rng.normal(0, 1, 3)
+    treatments = [rng.normal(0, 1, n) for n in (2, 3, 5)]
+    interval = sps.dunnett(*treatments, control=control, random_state=0).confidence_interval(0.95)
+    groups = [control, *treatments]
+    df = sum(g.size for g in groups) - len(groups)
+    sd = math.sqrt(sum(float(((g - g.mean()) ** 2).sum()) for g in groups) / df)
+    critical = stats.dunnett_critical(3, (2, 3, 5), df, 0.95)
+    for g, low, high in zip(treatments, interval.low, interval.high, strict=True):
+        diff, se = g.mean() - control.mean(), sd * math.sqrt(1 / g.size + 1 / 3)
+        assert diff - critical * se == pytest.approx(low, abs=2e-3)
+        assert diff + critical * se == pytest.approx(high, abs=2e-3)
+    # One comparison is Student's t; more comparisons need a wider interval, below Bonferroni's.
+    assert stats.dunnett_critical(2, (2,), 7, 0.95) == pytest.approx(sps.t.ppf(0.975, 7))
+    six = stats.dunnett_critical(2, (2,) * 6, 7, 0.95)
+    assert sps.t.ppf(0.975, 7) < six < sps.t.ppf(1 - 0.025 / 6, 7)
 
 
-def test_the_interval_narrows_with_more_samples():
-    rng = np.random.default_rng(2)
-    small = bootstrap_interval(rng.normal(1, 0.1, 20))
-    large = bootstrap_interval(rng.normal(1, 0.1, 2000))
-    assert large.half_width_rel < small.half_width_rel / 5  # ~ 1/sqrt(100) = 1/10 of the width
+def test_a_ratio_is_the_same_either_way_round() -> None:
+    """0.3 drew different bootstrap resamples for (a, b) and (b, a), so a verdict could depend on the order."""
+    evidence = stats.sweep_noise({"a": [100.0, 104.0, 98.0], "b": [120.0, 118.0, 125.0]})
+    ab, ba = evidence.pair("a", "b").ratio, evidence.pair("b", "a").ratio
+    assert ab is not None and ba is not None
+    assert ab.value == pytest.approx(1 / ba.value)
+    assert (ab.low, ab.high) == pytest.approx((1 / ba.high, 1 / ba.low))
+    assert evidence.pair("a", "b").verdict == "lower" and evidence.pair("b", "a").verdict == "higher"
 
 
-def test_drift_between_repeats_widens_the_interval_beyond_the_pooled_steps():
-    rng = np.random.default_rng(3)
-    repeats = [rng.normal(mean, 0.001, 200) for mean in (1.0, 1.1, 1.2)]
-    hierarchical = bootstrap_interval(repeats)
-    pooled = bootstrap_interval(np.concatenate(repeats))
-    assert hierarchical.repeats == 3 and hierarchical.samples == 600
-    assert hierarchical.value == pytest.approx(1.1, abs=1e-3)
-    assert hierarchical.high - hierarchical.low > 5 * (pooled.high - pooled.low)
-    assert repeat_spread(repeats) == pytest.approx(0.2 / 1.1, rel=0.01)
+def test_a_non_finite_run_leaves_that_trial_short_never_the_sweep() -> None:
+    evidence = stats.sweep_noise({"a": [100.0, math.nan], "b": [100.0, 101.0], "c": [99.0, math.inf, 0.0]})
+    assert evidence.against("a", "b").verdict == "untested" and "1 run" in (evidence.against("a", "b").why or "")
+    assert evidence.noise.df == 1
 
 
-def test_a_constant_sample_has_a_point_interval():
-    interval = bootstrap_interval([0.5] * 10)
-    assert (interval.low, interval.value, interval.high) == (0.5, 0.5, 0.5)
-    assert interval.half_width_rel == 0
-    assert coefficient_of_variation([0.5] * 10) == 0
+def test_one_run_a_side_or_no_pooled_noise_is_untested() -> None:
+    evidence = stats.sweep_noise({"a": [100.0], "b": [130.0]})
+    said = evidence.against("b", "a")
+    assert said.verdict == "untested" and said.ratio is None
+    assert evidence.level("a") is None  # no degrees of freedom: no interval invented
 
 
-def test_a_decreasing_function_swaps_the_bounds():
-    step_time = Interval(value=0.1, low=0.09, high=0.12, statistic="mean")
-    per_s = step_time.map(lambda t: 8 / t)
-    assert (per_s.low, per_s.value, per_s.high) == pytest.approx((8 / 0.12, 80, 8 / 0.09))
+def test_a_trial_far_outside_the_pool_is_flagged_and_gets_no_verdict() -> None:
+    steady = {f"t{k}": [100.0 * (1 + 0.01 * k), 100.0 * (1 - 0.01 * k)] for k in range(6)}
+    wild = {**steady, "wild": [60.0, 140.0]}
+    flagged = stats.outliers(wild)
+    assert list(flagged) == ["wild"] and "disagree far beyond" in flagged["wild"]
+    evidence = stats.sweep_noise(wild)
+    assert evidence.against("wild", "t0").verdict == "untested"
+    assert "wild" in evidence.noise.trials  # kept in the pool: the sweep was that noisy, the others' intervals say so
+    assert not stats.outliers(steady)
 
 
-def test_a_real_difference_is_a_ranking_and_the_same_distribution_is_a_tie():
-    rng = np.random.default_rng(4)
-    base = rng.normal(0.10, 0.005, 100)
-    same = rng.normal(0.10, 0.005, 100)
-    faster = rng.normal(0.08, 0.005, 100)
-    tie = ratio_interval(same, base)
-    assert tie.contains(1.0) and verdict(tie) == "tie"
-    ratio = ratio_interval(faster, base)
-    assert ratio.value == pytest.approx(0.8, abs=0.02)
-    assert verdict(ratio) == "lower"
-    assert verdict(ratio_interval(base, faster)) == "higher"
+def test_a_difference_within_the_noise_threshold_is_a_tie_even_when_significant() -> None:
+    evidence = stats.sweep_noise({"a": [100.0, 100.1, 99.9], "b": [101.5, 101.6, 101.4]})
+    said = evidence.against("b", "a")
+    assert said.ratio is not None and said.ratio.low > 1 and said.verdict == "tie"
 
 
-def test_a_difference_within_the_noise_threshold_is_a_tie_even_when_significant():
-    rng = np.random.default_rng(5)
-    base = rng.normal(1.0, 0.0001, 500)
-    slightly = rng.normal(1.01, 0.0001, 500)  # 1% apart, measured very precisely
-    ratio = ratio_interval(slightly, base)
-    assert not ratio.contains(1.0)
-    assert verdict(ratio) == "tie"
-    assert verdict(ratio, noise_threshold=0.005) == "higher"
-
-
-def test_the_same_seed_gives_the_same_interval():
-    sample = list(np.random.default_rng(6).normal(1, 0.1, 50))
-    assert bootstrap_interval(sample, seed=7) == bootstrap_interval(sample, seed=7)
+def test_batch_means_see_the_autocorrelation_the_naive_error_misses() -> None:
+    rng = np.random.default_rng(0)
+    noise = np.empty(400)
+    noise[0] = 0.0
+    for t in range(1, noise.size):
+        noise[t] = 0.9 * noise[t - 1] + rng.normal(0, 0.01)
+    steps = 0.1 * (1 + noise)
+    naive = steps.std(ddof=1) / math.sqrt(steps.size) / steps.mean()
+    assert stats.batch_means_se(steps.tolist()) > 2 * naive
+    assert stats.batch_means_se([0.1] * 5) is None  # fewer than two steps a batch
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: bootstrap_interval([]), "expected at least one value"),
-        (lambda: bootstrap_interval([1.0, math.nan]), "expected finite values"),
-        (lambda: bootstrap_interval([1.0], statistic="mode"), "expected 'mean' or 'median', got 'mode'"),
-        (lambda: bootstrap_interval([1.0], confidence=95), r"confidence: expected a value in \(0, 1\), got 95"),
-        (lambda: ratio_interval([1.0], [0.0]), "its statistic is 0"),
+        (lambda: stats.sweep_noise({}, confidence=1.5), r"confidence: expected a value in \(0, 1\), got 1.5"),
+        (lambda: stats.sweep_noise({}, noise_threshold=-1), "noise_threshold: expected a fraction >= 0"),
     ],
 )
-def test_bad_input_names_the_argument(call, message):
+def test_bad_input_names_the_argument(call, message) -> None:
     with pytest.raises(ValueError, match=message):
         call()

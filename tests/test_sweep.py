@@ -32,7 +32,7 @@ from hfscale.process import (
 )
 from hfscale.recipe import load_recipe
 from hfscale.run_folder import RunFolder, read_results
-from hfscale.sweep import run_sweep
+from hfscale.sweep import NOTHING_RAN_EXIT, run_sweep
 from hfscale.sweep_cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +66,11 @@ def test_repeats_are_interleaved_so_drift_reaches_every_trial_alike(tmp_path):
         "trials": [{"name": "a", "measure": {"repeats": 3}}, {"name": "b"}, {"name": "c", "measure": {"repeats": 2}}],
     }
     runs = plan_runs(load_recipe(_recipe(tmp_path, data)).trials, gpu_count=0, num_machines=1)
-    assert [(r.name, r.repeat) for r in runs] == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
-    assert [r.index for r in runs] == list(range(6))
+    # b says nothing: it gets the default, three runs (hfscale.spec.DEFAULT_REPEATS).
+    assert [(r.name, r.repeat) for r in runs] == [
+        ("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("b", 2)
+    ]  # fmt: skip
+    assert [r.index for r in runs] == list(range(8))
 
 
 def _scripted_launches(monkeypatch, step_times: dict[str, list[list[float]]]) -> list[tuple[str, int]]:
@@ -108,6 +111,8 @@ def _scripted_launches(monkeypatch, step_times: dict[str, list[list[float]]]) ->
 
 
 def test_a_target_precision_adds_interleaved_runs_until_it_is_reached(tmp_path, monkeypatch):
+    """Each trial is run three times (the fewest a sequential stop takes); the runs of "noisy" are 30-50% apart,
+    which the sweep's pooled noise carries into every trial's interval, so both run on to max_repeats."""
     steady = [0.100, 0.101, 0.099, 0.100] * 5
     noisy_runs = [[t * f for t in steady] for f in (1.0, 1.5, 0.7, 1.3)]
     launched = _scripted_launches(monkeypatch, {"steady": [steady] * 5, "noisy": noisy_runs})
@@ -117,10 +122,9 @@ def test_a_target_precision_adds_interleaved_runs_until_it_is_reached(tmp_path, 
         "trials": [{"name": "steady"}, {"name": "noisy"}],
     }
     run_sweep(_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
-    # Both are run twice (one run cannot show run-to-run noise); then only the noisy one, up to max_repeats.
-    assert launched == [("steady", 0), ("noisy", 0), ("steady", 1), ("noisy", 1), ("noisy", 2), ("noisy", 3)]
+    assert launched == [(name, k) for k in range(4) for name in ("steady", "noisy")]
     rows = RunFolder(tmp_path / "run").rows()
-    assert [r.launch is None for r in rows] == [True] * 6  # scripted rows
+    assert [r.launch is None for r in rows] == [True] * 8  # scripted rows
     assert {(r.trial, r.repeat) for r in rows} == set(launched)
 
 
@@ -130,8 +134,8 @@ def test_a_target_precision_is_checked_when_the_recipe_loads(tmp_path):
     data = {"device": "cpu", "measure": {"target_precision": 5}, "trials": [{"name": "a"}]}
     with pytest.raises(RecipeError, match=r"measure.target_precision: expected a fraction between 0 and 1"):
         load_recipe(_recipe(tmp_path, data))
-    data["measure"] = {"target_precision": 0.05, "max_repeats": 1}
-    with pytest.raises(RecipeError, match=r"measure.max_repeats: expected at least 2"):
+    data["measure"] = {"target_precision": 0.05, "max_repeats": 2}
+    with pytest.raises(RecipeError, match=r"measure.max_repeats: expected at least 3"):
         load_recipe(_recipe(tmp_path, data))
 
 
@@ -274,6 +278,7 @@ SKIPPED_RECIPE = {
     "model": {"type": "bert", "task": "classification", "config": {"hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 1000}},
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
+    "measure": {"repeats": 1},
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
     "trials": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
 }  # fmt: skip
@@ -282,14 +287,14 @@ NOTHING_FITS = ["--skip-predicted-oom", "--memory-budget", "1MiB", "--no-report"
 
 def test_a_corrupt_middle_line_is_set_aside_and_its_trial_run_again_on_resume(tmp_path, capsys):
     recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
-    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == 0
+    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT  # every run skipped
     results = run / "results.jsonl"
     lines = results.read_text().splitlines(keepends=True)
     results.write_text(lines[0] + '{"trial": "b", "status"\n' + lines[2])
     assert [r.trial for r in read_results(run)] == ["a", "c"]  # the report reads the rest
 
     capsys.readouterr()
-    assert main(["--resume", str(run), "--no-report"]) == 0
+    assert main(["--resume", str(run), "--no-report"]) == NOTHING_RAN_EXIT
     err = capsys.readouterr().err
     assert "results.jsonl:2: not a valid row" in err and "1 of 3 runs to do (2 already in" in err
     assert [r.trial for r in RunFolder(run).rows(on_bad_line="raise")] == ["a", "c", "b"]
@@ -322,9 +327,76 @@ def test_a_batch_search_that_raises_keeps_the_measured_row_and_resume_runs_only_
 
 def test_resume_refuses_other_process_counts(tmp_path, capsys):
     recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
-    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == 0
+    assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     assert main(["--resume", str(run), "--num-processes", "2"]) == 2
     assert "--num-processes 2 differs from the recorded None" in capsys.readouterr().err
+
+
+# -- a sweep that ran nothing, and the last line (issue 28) --------------------------------------------------------
+
+
+def _no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's record says no GPU (also on a machine that has one), without probing torch."""
+    import hfscale.environment
+
+    monkeypatch.setattr(
+        hfscale.environment, "collect_environment", lambda *, python, extra=None: {"gpu_count": 0, **(extra or {})}
+    )
+
+
+def test_a_sweep_that_ran_nothing_exits_non_zero_naming_the_cause_and_what_to_do(tmp_path, capsys, monkeypatch):
+    _no_gpu_here(monkeypatch)
+    recipe, run = _recipe(tmp_path, {**SKIPPED_RECIPE, "name": "gpu-only", "device": "cuda"}), tmp_path / "run"
+    # Before: three `skipped` rows and exit 0, so a job whose GPUs were not allocated "succeeded".
+    assert main([str(recipe), "--run-dir", str(run), "--no-report"]) == NOTHING_RAN_EXIT == 4
+    err = capsys.readouterr().err
+    said = err.index("device 'cuda', but no CUDA device is visible on this machine")
+    assert said < err.index("[1/3] a:"), err  # said before the first trial
+    (last,) = [line for line in err.splitlines() if "no trial ran" in line]
+    assert "hfscale sweep: error: no trial ran: all 3 runs were skipped before launching: device 'cuda' but no " in last
+    assert "a CPU recipe such as cpu_small" in last and "--dry-run" in last and str(run) in last
+    assert [r.status for r in read_results(run)] == ["skipped"] * 3  # the rows are kept
+
+    # Another cause, another remedy; nothing was predicted to fit the budget.
+    oom = _recipe(tmp_path, SKIPPED_RECIPE)
+    assert main([str(oom), "--run-dir", str(tmp_path / "oom"), *NOTHING_FITS]) == NOTHING_RAN_EXIT
+    (last,) = [line for line in capsys.readouterr().err.splitlines() if "no trial ran" in line]
+    assert "all 3 runs were skipped before launching: predicted out of memory" in last
+    assert "--memory-budget" in last and "without --skip-predicted-oom" in last
+
+
+def test_the_last_line_counts_the_recipe_trials_with_rows_beside_what_this_sweep_ran(tmp_path, capsys, monkeypatch):
+    _no_gpu_here(monkeypatch)
+    steps = [[0.1, 0.1, 0.1]]
+    _scripted_launches(monkeypatch, {"a": steps, "b": steps, "c": steps})
+    recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
+    assert main([str(recipe), "--run-dir", str(run), "--only", "a", "--no-report"]) == 0
+    assert f"done: {run}: 1 row added (1 ok, 0 not ok); 1 of the recipe's 3 trials has rows" in capsys.readouterr().err
+    # Before: "done: RUN (1 ok, 0 not ok)" for a run folder that now holds two trials' rows.
+    assert main(["--resume", str(run), "--only", "b", "--no-report"]) == 0
+    assert f"done: {run}: 1 row added (1 ok, 0 not ok); 2 of the recipe's 3 trials have rows" in capsys.readouterr().err
+
+
+def test_an_interrupted_sweep_names_the_resume_its_run_needs(tmp_path, capsys, monkeypatch):
+    import hfscale.sweep_cli
+    from hfscale.sweep import SweepInterrupted, SweepStopped
+
+    hint = "hfscale slurm /runs/r --resume --nodes 2 --gpus-per-node 4"
+
+    def stopped(*args, **kwargs):
+        raise SweepInterrupted(tmp_path / "machine-1", resume=hint, rows_in=Path("/runs/r"))
+
+    monkeypatch.setattr(hfscale.sweep_cli, "run_sweep", stopped)
+    assert main(["r.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert f"continue with: {hint}" in err and "/runs/r" in err and "hfscale sweep --resume" not in err
+
+    def full(*args, **kwargs):
+        raise SweepStopped(Path("/runs/r"), OSError(28, "No space left on device"), resume=hint)
+
+    monkeypatch.setattr(hfscale.sweep_cli, "run_sweep", full)
+    assert main(["r.yaml"]) == 3
+    assert f"continue with: {hint}" in capsys.readouterr().err
 
 
 # -- real faults -----------------------------------------------------------------------------------------------------
@@ -334,7 +406,7 @@ LONG_RECIPE = {
     "device": "cpu",
     "model": SKIPPED_RECIPE["model"],
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
-    "measure": {"max_steps": 100000, "warmup_steps": 1, "timeout_s": 300},
+    "measure": {"max_steps": 100000, "warmup_steps": 1, "timeout_s": 300, "repeats": 1},
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "defaults": {"per_device_batch_size": 4, "num_processes": 1},
     "trials": [{"name": "long"}],
@@ -409,7 +481,7 @@ E2E_RECIPE = {
     },
     "data": {"num_samples": 64, "seq_len": 32, "token_high": 1000},
     "training_args": {"report_to": "none"},
-    "measure": {"max_steps": 3, "warmup_steps": 1, "timeout_s": 300},
+    "measure": {"max_steps": 3, "warmup_steps": 1, "timeout_s": 300, "repeats": 1},
     "defaults": {"per_device_batch_size": 4},
     # Out of memory, bf16, checkpointing and repeats are the shared tiny sweep's (conftest); here: what needs
     # an outer launch, a signal from outside, a timeout and an interrupt.
@@ -535,3 +607,58 @@ def test_a_failing_report_is_reported_not_raised(tmp_path: Path, monkeypatch: py
     monkeypatch.setitem(_sys.modules, "hfscale.report", types.SimpleNamespace(write_report=broken))
     paths, error = _write_report(tmp_path, lambda line: None)
     assert paths == [] and error is not None and "ZeroDivisionError: report bug" in error
+
+
+def _precision_sweep(tmp_path, monkeypatch, speeds):
+    """A two-trial sweep with ``target_precision: 0.05`` whose launches are scripted: run k of a trial measures
+    ``speeds[k]`` samples/s. Returns the rows by (trial, repeat)."""
+    import yaml
+
+    import hfscale.sweep
+    from hfscale.launch import planned_row
+    from hfscale.measurements import ThroughputSummary
+    from hfscale.results import TrialOutcome
+    from hfscale.run_folder import RunFolder
+    from hfscale.sweep import run_sweep
+
+    def launch_trial(run, folder, *, baseline, **_):
+        speed = speeds[run.repeat]
+        throughput = ThroughputSummary(
+            samples_per_s=speed, tokens_per_s=None, step_time_median_s=4 / speed, step_time_p90_s=None,
+            step_time_mean_s=4 / speed, measured_steps=4, warmup_steps=1, samples_per_step=4,
+            tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None, peak_flops_per_s=None,
+            device_name="cpu", step_times_s=[4 / speed] * 4,
+        )  # fmt: skip
+        measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
+        return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
+
+    monkeypatch.setattr(hfscale.sweep, "launch_trial", launch_trial)
+    data = {
+        "device": "cpu",
+        "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},
+        "data": {"num_samples": 32, "seq_len": 16},
+        "measure": {"warmup_steps": 1, "target_precision": 0.05, "max_repeats": 5},
+        "defaults": {"per_device_batch_size": 4},
+        "trials": [{"name": "fp32"}, {"name": "ckpt", "gradient_checkpointing": True}],
+    }
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    run_sweep(str(tmp_path / "p.yaml"), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    return {r.key: r for r in RunFolder(tmp_path / "run").rows()}
+
+
+def test_target_precision_stops_on_the_run_level_interval_after_three_runs(tmp_path, monkeypatch):
+    """Runs 1% apart: the run-level interval is within ± 5% at once, yet the rule takes the three runs the
+    calibration asks for (0.3 stopped at two, on an interval over steps), and every row says it stopped
+    sequentially."""
+    from hfscale.sweep import SEQUENTIAL_MIN_RUNS
+
+    rows = _precision_sweep(tmp_path, monkeypatch, [100.0, 101.0, 99.0, 100.0, 100.0])
+    assert sorted(rows) == [(t, k) for t in ("ckpt", "fp32") for k in range(SEQUENTIAL_MIN_RUNS)]
+    assert all(r.stopping and r.stopping.startswith("sequential") and "± 5.0%" in r.stopping for r in rows.values())
+
+
+def test_target_precision_runs_on_while_the_runs_disagree(tmp_path, monkeypatch):
+    """Steps of each run are identical (0.3's interval over steps was 0 wide and stopped at two runs); the runs
+    are 30% apart, so the run-level interval stays wide and the trials take all five runs."""
+    rows = _precision_sweep(tmp_path, monkeypatch, [100.0, 130.0, 100.0, 130.0, 100.0])
+    assert sorted(rows) == [(t, k) for t in ("ckpt", "fp32") for k in range(5)]

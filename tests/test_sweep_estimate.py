@@ -55,11 +55,12 @@ def tiny_recipe(**over: Any) -> dict[str, Any]:
         "model": TINY_MODEL,
         "data": {"num_samples": 64, "seq_len": 32, "token_high": 1000},
         "training_args": {"report_to": "none", "seed": 0},
-        "measure": {"warmup_steps": 1, "max_steps": 8, "timeout_s": 300},
+        "measure": {"warmup_steps": 1, "max_steps": 8, "timeout_s": 300, "repeats": 1},
         "run": {"env": {"OMP_NUM_THREADS": "1"}},
         "baseline": "fp32",
         "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
-        "trials": [{"name": "fp32"}, {"name": "big", "per_device_batch_size": 512}],
+        # big: a batch of the whole data set (a larger one is refused at load: the steps could not fill it).
+        "trials": [{"name": "fp32"}, {"name": "big", "per_device_batch_size": 64}],
         **over,
     }
 
@@ -241,7 +242,7 @@ SEARCH_RECIPE = {
     },
     "data": {"num_samples": 4, "seq_len": 1024, "token_high": 32000},
     "training_args": {"report_to": "none"},
-    "measure": {"warmup_steps": 1, "max_steps": 3, "timeout_s": 300},
+    "measure": {"warmup_steps": 1, "max_steps": 3, "timeout_s": 300, "repeats": 1},
     "run": {"memory_limit_gib": 3.4, "env": {"OMP_NUM_THREADS": "1"}},
     "defaults": {"per_device_batch_size": 2, "num_processes": 1},
     # bs1 differs only in its batch size: it has the same largest batch, and is not searched again.
@@ -309,12 +310,14 @@ GPU_RECIPE = {
         "task": "causal_lm",
         "config": {"vocab_size": 50257, "n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 1024},
     },
-    "data": {"num_samples": 16, "seq_len": 1024, "token_high": 50257},
+    # Enough samples for huge's one step (a batch the data set cannot fill is refused at load); fp32 runs 3 steps.
+    "data": {"num_samples": 2048, "seq_len": 1024, "token_high": 50257},
     "training_args": {"report_to": "none"},
-    "measure": {"warmup_steps": 1, "max_steps": 3, "timeout_s": 300},
+    "measure": {"warmup_steps": 1, "max_steps": 3, "timeout_s": 300, "repeats": 1},
     "baseline": "fp32",
     "defaults": {"per_device_batch_size": 4, "num_processes": 1},
-    "trials": [{"name": "fp32"}, {"name": "huge", "per_device_batch_size": 100000}],
+    # 2048 x 1024 tokens of 50257 fp32 logits: over 400 GB, beyond any one GPU.
+    "trials": [{"name": "fp32"}, {"name": "huge", "per_device_batch_size": 2048}],
 }
 
 

@@ -50,7 +50,7 @@ def _recipe(path: Path, *, first_steps: int = 4) -> Path:
         "model": {"type": "bert", "task": "classification", "config": TINY},
         "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
         "training_args": {"report_to": "none", "seed": 0},
-        "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 240},
+        "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 240, "repeats": 1},
         "run": {"env": {"OMP_NUM_THREADS": "1"}},
         "baseline": "ddp",
         "defaults": {"per_device_batch_size": 4, "num_processes": 2, "num_machines": 2, "optimizer": "adamw_torch"},
@@ -297,6 +297,83 @@ def test_hfscale_slurm_command_writes_the_script_and_prints_each_node(tmp_path: 
     assert f"sbatch {out}" in printed
     assert "node 1: python -m hfscale.sweep r.yaml --run-dir runs/r --num-machines 2 --num-processes 16 --only a " \
         "--machine-rank 1 --main-process-ip MAIN_HOST --main-process-port 29500" in printed  # fmt: skip
+
+
+def test_every_resume_hint_names_the_command_that_works_for_its_run() -> None:
+    import shlex
+
+    from hfscale.slurm import resume_command
+
+    assert resume_command("runs/r") == "hfscale sweep --resume runs/r"
+    slurm = resume_command(
+        "/shared/r", num_machines=2, num_processes=16, gpus_per_node=8, environ={"SLURM_JOB_ID": "7"}
+    )
+    assert slurm.startswith("hfscale slurm /shared/r --resume --nodes 2 --gpus-per-node 8 --out r-resume.sbatch ")
+    assert slurm.endswith(", then sbatch r-resume.sbatch")
+    # Slurm's own count of GPUs wins; a sweep of fewer processes than GPUs says how many per node.
+    gres = {"SLURM_JOB_ID": "7", "SLURM_GPUS_PER_NODE": "h100:4"}
+    assert " --gpus-per-node 4 --processes-per-node 1 " in resume_command("/r", num_machines=2, num_processes=2,
+                                                                          environ=gres)  # fmt: skip
+    by_hand = resume_command(
+        "/shared/r", num_machines=2, num_processes=2, main_addr="10.0.0.1", port=29600, python="python", environ={}
+    )
+    # Exactly the drivers `hfscale slurm /shared/r --resume` prints for a cluster without Slurm.
+    job = SlurmJob(recipe="/shared/r", nodes=2, gpus_per_node=0, processes_per_node=1, resume=True)
+    for k, command in enumerate(job.node_commands(main_addr="10.0.0.1", port=29600)):
+        assert f"machine {k}: {shlex.join(command)}" in by_hand
+        assert "--resume /shared/r --num-machines 2 --num-processes 2 --machine-rank" in shlex.join(command)
+
+
+def test_another_machines_stop_message_points_at_machine_0s_folder_and_the_resume_that_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: after scancel, machine 1 said "continue with: hfscale sweep --resume RUN/machines/machine-1", a
+    folder of logs only; what works resumes machine 0's folder with every machine's driver."""
+    import dataclasses
+
+    import hfscale.environment
+    import hfscale.launch
+    from hfscale.recipe import load_recipe
+    from hfscale.sweep import SweepInterrupted
+    from hfscale.sweep_machines import follow_sweep
+
+    def scancel(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(hfscale.environment, "collect_environment", lambda **_: {"gpu_count": 0})
+    monkeypatch.setattr(hfscale.launch, "launch_group", scancel)
+    monkeypatch.delenv("SLURM_GPUS_PER_NODE", raising=False)
+    trial = load_recipe(_recipe(tmp_path / "two.yaml")).trials[0]
+    entry = {"index": 0, "repeat": 0, "spec": trial.spec.to_dict(), "run": dataclasses.asdict(trial.run)}
+    run0 = RunFolder(tmp_path / "run")
+    run0.sweep_id_path.parent.mkdir(parents=True)
+    run0.sweep_id_path.write_text("1" * 32 + "\n")  # a shared filesystem: machine 1 keeps its logs in machine 0's
+    port = _free_port_block(40000, 50000, 1)
+    coordinator = Coordinator(port)
+    try:
+        settings = SweepSettings(num_processes=2, num_machines=2).to_dict()
+        coordinator.publish("plan", _plan(tmp_path, settings=settings, runs=[entry], sweep_id="1" * 32))
+        coordinator.publish("start/0", {"action": "launch"})
+        launch = LaunchInfo(machine_rank=1, num_machines=2, master_addr="127.0.0.1", master_port=port)
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+        with pytest.raises(SweepInterrupted) as caught:
+            follow_sweep(launch, out_dir=tmp_path / "out")
+        stop = caught.value
+        assert (stop.run_dir, stop.rows_in) == (run0.machine_dir(1), run0.path)
+        assert stop.resume.startswith(
+            f"hfscale slurm {run0.path} --resume --nodes 2 --gpus-per-node 0 --processes-per-node 1 --out "
+        )
+        monkeypatch.delenv("SLURM_JOB_ID")
+        with pytest.raises(SweepInterrupted) as caught:
+            follow_sweep(launch, out_dir=tmp_path / "out")
+        for k in (0, 1):
+            assert (
+                f"machine {k}: {sys.executable} -m hfscale.sweep --resume {run0.path} --num-machines 2 --num-processes "
+                f"2 --machine-rank {k} --main-process-ip 127.0.0.1 --main-process-port {port}"
+            ) in caught.value.resume
+        assert "machines/machine-1" not in caught.value.resume
+    finally:
+        coordinator.close()
 
 
 # -- real sweeps on two "machines" ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 from hfscale.callbacks.base import _all_gather, _batch_counts, _rank_and_world, _SummaryCallback, _write_json
 from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
 from hfscale.flops import (
+    GradientFlowProbe,
     compute_dtype,
     matmul_parameters,
     mfu,
@@ -58,8 +59,10 @@ class ThroughputCallback(_SummaryCallback):
     Across ranks, each step's time is the slowest rank's, and samples and tokens are summed over ranks.
     MFU = tokens/s x FLOPs per token / (peak FLOP/s x world size), with FLOPs per token from
     :mod:`hfscale.flops` (``6 * N + 12 * L * H * T``, PaLM appendix B; N without embedding tables, the output head
-    counted, tied or not; activation recomputation is not useful work and is not counted; the whole model's N
-    under FSDP1, counted on a meta-device copy, not this rank's shard) and the peak from
+    counted, tied or not; ``H`` query heads x head dimension; activation recomputation is not useful work and is
+    not counted; the whole model's N under FSDP1, counted on a meta-device copy, not this rank's shard; for a
+    partly frozen model (LoRA) the work its first training forward showed needs no gradient is taken off,
+    :class:`hfscale.flops.GradientFlowProbe`) and the peak from
     :data:`hfscale.flops.DEVICE_PEAK_FLOPS` for the device name and the compute dtype (bf16/fp16/tf32/fp32): the
     dtype an ``nn.Linear`` really produced in the first training forward, so a model loaded in bf16 without
     ``args.bf16`` is divided by the bf16 peak. On CPU the peak is unknown: MFU is None unless ``peak_flops`` is
@@ -132,11 +135,17 @@ class ThroughputCallback(_SummaryCallback):
         self._frozen_params = 0
         self._marked_step = False
         self._dtype_probe: LinearDtypeProbe | None = None
+        self._flow_probe: GradientFlowProbe | None = None
         if model is not None:
             self._hook = model.register_forward_pre_hook(self._count_batch, with_kwargs=True)
             self._model_shape = _model_shape(model)
             self._frozen_params = matmul_parameters(model, frozen_only=True)  # LoRA's base: no weight grads
             self._dtype_probe = LinearDtypeProbe(model)
+            frozen = any(not p.requires_grad for p in model.parameters())  # LoRA's base, or frozen embeddings
+            if frozen and not getattr(args, "torch_compile", False):
+                # Upstream of the first trainable parameter no gradient flows: read where, once (hooks would be
+                # traced into a compiled graph, so not under torch_compile).
+                self._flow_probe = GradientFlowProbe(model)
         if state.max_steps < self.warmup_steps + 2:
             logger.warning(
                 "ThroughputCallback: training has %d optimizer steps, fewer than warmup_steps + 2 = %d: throughput "
@@ -192,6 +201,23 @@ class ThroughputCallback(_SummaryCallback):
             hook.remove()
         self._hook = None
 
+    def _flops_per_token(self, tokens_per_sample: float | None) -> float | None:
+        """The given figure, else the formula for the model at the measured tokens per sample (None without one)."""
+        if self.flops_per_token is not None or self._model_shape is None or tokens_per_sample is None:
+            return self.flops_per_token
+        params, layers, width = self._model_shape
+        flow = self._flow_probe.flow if self._flow_probe is not None else None
+        if flow is not None and flow.no_input_grad_params > params:  # a shard's N (FSDP1): leave the formula
+            flow = None
+        return transformer_flops_per_token(
+            non_embedding_params=params,
+            num_layers=layers,
+            attention_width=width,
+            seq_len=tokens_per_sample,
+            frozen_params=min(self._frozen_params, params),
+            flow=flow,
+        )
+
     def _finish(self, args: Any, state: Any, control: Any) -> None:
         if getattr(self, "_finished", True):
             return
@@ -199,6 +225,8 @@ class ThroughputCallback(_SummaryCallback):
         self._remove_hook()
         if self._dtype_probe is not None:
             self._dtype_probe.remove()
+        if self._flow_probe is not None:
+            self._flow_probe.remove()
         durations = self._timer.durations_s()
         n = min(len(durations), len(self._samples))
         rank, world = _rank_and_world()
@@ -285,16 +313,7 @@ class ThroughputCallback(_SummaryCallback):
         total_tokens = sum(tokens[k] for k in measured)
         tokens_per_s = total_tokens / total_time if total_tokens else None
         tokens_per_sample = total_tokens / total_samples if total_tokens and total_samples else None
-        fpt = self.flops_per_token
-        if fpt is None and self._model_shape is not None and tokens_per_sample is not None:
-            params, layers, hidden = self._model_shape
-            fpt = transformer_flops_per_token(
-                non_embedding_params=params,
-                num_layers=layers,
-                hidden_size=hidden,
-                seq_len=tokens_per_sample,
-                frozen_params=min(self._frozen_params, params),
-            )
+        fpt = self._flops_per_token(tokens_per_sample)
         utilisation = None
         if fpt is not None and peak is not None and tokens_per_s is not None:
             # One process drives n_gpu devices under nn.DataParallel (n_gpu is 1 per process in DDP, 0 on CPU).

@@ -39,20 +39,11 @@ class ModelStates:
 
 
 def shard_group(strategy: Strategy) -> int:
-    """Processes that share one copy of the model states: all of them (ZeRO and FSDP ``full_shard`` across every
-    machine), one machine's for ``hybrid_shard`` (sharded within a machine, replicated across machines), one for
-    FSDP's ``no_shard``; under an explicit device mesh (``strategy.parallelism``) FSDP2 shards over
-    ``dp_shard x cp`` and replicates over ``dp_replicate`` (accelerate's ``ParallelismConfig.fsdp_dim_names``)."""
-    if strategy.fsdp is None:
-        return strategy.num_processes
-    if strategy.parallelism is not None:
-        return strategy.parallelism.dp_shard * strategy.parallelism.cp
-    sharding = strategy.fsdp.sharding
-    if sharding == "no_shard":
-        return 1
-    if sharding == "hybrid_shard":
-        return strategy.num_processes // strategy.num_machines
-    return strategy.num_processes
+    """Processes that share one copy of the model states (:attr:`~hfscale.strategy.Strategy.shard_group_size`): all
+    of them (ZeRO and FSDP ``full_shard`` across every machine), one machine's for ``hybrid_shard`` (sharded within a
+    machine, replicated across machines), one for FSDP's ``no_shard``; under an explicit device mesh
+    (``strategy.parallelism``) FSDP2 shards over ``dp_shard x cp`` and replicates over ``dp_replicate``."""
+    return strategy.shard_group_size
 
 
 def model_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int) -> ModelStates:

@@ -3,9 +3,9 @@
 A run's rows (:class:`~hfscale.results.TrialResult`, one per trial run) become one table row per trial
 (``hfscale.report.trials``): the repeats of a trial (``measure.repeats``) are grouped, their times are the median of
 the runs that finished ok (``runs`` counts them all; ``samples_per_s_values`` keeps each run's figure), and their
-memory is the run with the largest peak (a budget must hold for every run). Where the rows kept their step times,
-samples/s and tokens/s come from the mean step time over all measured steps (of all repeats) with a 95% bootstrap
-interval, and each trial is checked for stability (``hfscale.report.noise``). Then come the comparisons: ratios
+memory is the run with the largest peak (a budget must hold for every run). Samples/s and tokens/s are the
+geometric mean over runs of each run's steady figure, with a 95% interval from the run-to-run noise pooled over the
+sweep, and each trial is checked for stability (``hfscale.report.noise``). Then come the comparisons: ratios
 against the baseline (:func:`resolve_baseline`) with their intervals and verdicts, the estimate's error, the
 loss-parity status, the Pareto front and the recommendation (``hfscale.report.recommend``).
 :func:`load_run` returns that table for a notebook; the report renders it.
@@ -25,12 +25,13 @@ from hfscale.batch_search import BatchSearchRecord
 from hfscale.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
 from hfscale.report.coverage import Coverage, coverage
 from hfscale.report.machine import GIB
-from hfscale.report.noise import NOISE_KEYS, Groups, against, trial_noise
+from hfscale.report.noise import NOISE_KEYS, against, sweep_columns, trial_noise
 from hfscale.report.ranks import rank_memory_records
 from hfscale.report.recommend import Recommendation, pareto_front, recommend
 from hfscale.report.trials import MEDIANS, describe, group_rows, record_keys, run_record, trial_record
 from hfscale.results import TrialResult
 from hfscale.run_folder import RESULTS_FILE, RunFolder
+from hfscale.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -104,8 +105,8 @@ class Summary:
     recommendation: Recommendation
     batch_searches: dict[str, BatchSearchRecord]
     """``--find-max-batch``: each searched trial's record."""
-    step_groups: dict[str, Groups] = dataclasses.field(default_factory=dict)
-    """Each trial's measured step times, one list per repeat that kept them (the intervals' samples)."""
+    speed: SweepNoise = dataclasses.field(default_factory=lambda: sweep_noise({}))
+    """Each trial's per-run samples/s and the sweep's pooled run-to-run noise: the evidence of every verdict."""
     coverage: Coverage | None = None
     """The recipe's trials against the rows (None when summarized from rows without a run folder)."""
     price_per_hour: float | None = None
@@ -169,7 +170,7 @@ def summarize(
         [{"trial": name, **columns} for name, (columns, _) in noise.items()],
         columns=["trial", *NOISE_KEYS, "samples_per_s", "tokens_per_s"],
     ).set_index("trial")
-    for key in ("samples_per_s", "tokens_per_s"):  # from the mean step time where there are step times
+    for key in ("samples_per_s", "tokens_per_s"):  # the geometric mean over runs where runs have a figure
         frame[key] = stats_frame[key].astype(float).combine_first(frame[key].astype(float))
     frame = frame.join(stats_frame[list(NOISE_KEYS)])
     frame["unstable"] = frame["unstable"].fillna(False).astype(bool)
@@ -188,8 +189,9 @@ def summarize(
             "memory saved are not shown."
         )
         baseline = None
-    step_groups = {name: g for name, (_, g) in noise.items()}
-    against(frame, baseline, step_groups)
+    evidence = sweep_noise({name: rates for name, (_, rates) in noise.items()})
+    sweep_columns(frame, evidence)
+    against(frame, baseline, evidence)
     if baseline is not None:
         base = frame.loc[baseline]
         missing = [
@@ -214,7 +216,7 @@ def summarize(
         [None if budget is None or pd.isna(fit) else bool(fit * GIB <= budget) for fit in frame["fit_gib"]],
         dtype="boolean",
     )
-    rec = recommend(frame, budget, source, step_groups)
+    rec = recommend(frame, budget, source, evidence)
     frame["recommended"] = frame.index == rec.fastest
     frame["ties_with_fastest"] = frame.index.isin(rec.fastest_ties)
     frame["least_memory"] = frame.index == rec.most_frugal
@@ -232,7 +234,7 @@ def summarize(
             if (search := next((r.batch_search for r in group if r.batch_search is not None), None)) is not None
             and search.max_batch_of is None  # a max-batch row repeats its trial's search
         },
-        step_groups=step_groups,
+        speed=evidence,
         coverage=coverage,
         price_per_hour=price_per_hour,
         machines=tuple(machines),
@@ -288,9 +290,9 @@ def load_run(
 ) -> pd.DataFrame:
     """A run folder's comparison table: one row per trial, indexed by trial name, units in the column names.
 
-    The same table the report renders (``hfscale report``): ``samples_per_s`` (steady state: samples per step
-    over the mean step time where step times were kept, with ``samples_per_s_low``/``_high``, its 95% bootstrap
-    interval; else the run's figure, median over repeats, no interval), ``peak_gib`` (``peak_gib_min``/``_max``
+    The same table the report renders (``hfscale report``): ``samples_per_s`` (steady state: the geometric mean
+    over runs of each run's figure, with ``samples_per_s_low``/``_high``, its 95% interval from the sweep's pooled
+    run-to-run noise; none when no trial ran twice), ``peak_gib`` (``peak_gib_min``/``_max``
     over repeats), ``speedup_vs_baseline`` with ``speedup_low``/``_high`` and ``verdict`` (faster, slower, tie,
     untested, baseline), ``memory_saved_pct``, ``unstable`` and ``unstable_reason``, ``energy_j``,
     ``cost_per_m_tokens``, ``estimate_error_pct``, ``parity_status``, ``on_pareto_front``, ``recommended``, ...;

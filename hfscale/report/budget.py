@@ -9,17 +9,17 @@ so the tie is broken by memory. Trials whose loss was flagged or whose speed may
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hfscale.report.columns import Column, fmt, interval_cell, speedup_cell
-from hfscale.report.noise import Groups, speed_tie
+from hfscale.report.noise import speed_tie
+from hfscale.stats import SweepNoise
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def budget_rows(frame: pd.DataFrame, groups: Mapping[str, Groups]) -> list[dict[str, Any]]:
+def budget_rows(frame: pd.DataFrame, evidence: SweepNoise) -> list[dict[str, Any]]:
     """One record per budget step, smallest budget first (empty when no trial qualifies)."""
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["fit_gib"].notna()]
     ok = ok[~ok["parity_flagged"].fillna(False).astype(bool)]
@@ -31,17 +31,17 @@ def budget_rows(frame: pd.DataFrame, groups: Mapping[str, Groups]) -> list[dict[
         if best is not None:
             if row["samples_per_s"] <= best["samples_per_s"]:
                 continue
-            if speed_tie(row, best, groups)[0]:
+            if speed_tie(row, best, evidence)[0]:
                 continue
         note = ""
         if best is not None:
-            _, tested = speed_tie(row, best, groups)
+            _, tested = speed_tie(row, best, evidence)
             gain = 100 * (row["samples_per_s"] / best["samples_per_s"] - 1)
-            note = f"{gain:.1f}% faster than {best['trial']}" + ("" if tested else " (single runs: untested)")
+            note = f"{gain:.1f}% faster than {best['trial']}" + ("" if tested else " (untested)")
         same = [
             str(other["trial"])
             for _, other in ok[ok["fit_gib"] <= row["fit_gib"]].iterrows()
-            if other["trial"] != row["trial"] and speed_tie(row, other, groups)[0]
+            if other["trial"] != row["trial"] and speed_tie(row, other, evidence)[0]
         ]
         if same:
             note = "; ".join(filter(None, [note, f"ties on speed with {', '.join(same)}"]))

@@ -95,7 +95,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         prog="hfscale compare",
         description="The same trials (matched by name) of two run folders side by side, with B/A ratios, and for "
         "each trial in both a significance test of the change in speed ('B is 7.0%% ± 2.1%% slower' or 'no "
-        "significant change': bootstrap interval of the ratio of step times, 2%% noise threshold).",
+        "significant change': both runs' run-to-run noise pooled, Šidák-adjusted over the trials, 2%% noise "
+        "threshold).",
         epilog="Exit codes: 0 written (and no regression beyond --fail-on-regression); 1 --fail-on-regression PCT "
         "was given and a trial is significantly slower in B by more than PCT percent (the files are still "
         "written); 2 bad input.",
@@ -109,7 +110,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="PCT",
         help="exit 1 when any trial is significantly slower in B (time per sample, 95%% interval beyond the 2%% "
-        "noise threshold) by more than PCT percent; changes that cannot be tested (no step times) never fail",
+        "noise threshold) by more than PCT percent; changes that cannot be tested (fewer than two runs a side, or "
+        "a trial that may be unstable) never fail",
     )
     args = _parse(parser, argv)
     if isinstance(args, int):

@@ -116,6 +116,12 @@ def _notes_cell(row: Row) -> str:
     if row.get("unstable") is True:
         reason = row.get("unstable_reason")
         notes.append("may be unstable" + ("" if is_missing(reason) else f": {short(reason, 80)}"))
+    # A trial of one run is untested for a reason the report's first lines state once; say only other reasons.
+    two_runs = not is_missing(row.get("repeats_n")) and row["repeats_n"] >= 2
+    if row.get("verdict") == "untested" and two_runs and not row.get("unstable"):
+        notes.append(f"speed untested: {short(row['verdict_reason'], 80)}")
+    if not is_missing(row.get("stopping")):
+        notes.append(f"runs stopped sequentially ({row.get('repeats_n')} runs)")
     if row.get("parity_status") == "flagged":
         reason = row.get("parity_reason")
         notes.append("loss flagged" + ("" if is_missing(reason) else f": {short(reason, 60)}"))
@@ -130,18 +136,15 @@ def _num_or_none(row: Row, key: str) -> float | None:
 
 
 def interval_cell(row: Row, key: str = "samples_per_s", digits: int = 2) -> str:
-    """``31.90–32.60 (120 steps x 3 runs)``; ``single run, no interval`` for a measured figure without step times;
-    an em dash when the figure was not measured."""
+    """``31.90–32.60 (3 runs)``; ``single run, no interval`` for a figure the sweep's runs give no interval (no
+    trial ran twice); an em dash when the figure was not measured."""
     if is_missing(row.get(key)):
         return "—"
     low, high = _num_or_none(row, f"{key}_low"), _num_or_none(row, f"{key}_high")
     if low is None or high is None:
         return "single run, no interval"
-    steps, repeats = row.get("steps_n"), row.get("repeats_n")
-    over = ""
-    if not is_missing(steps):
-        runs = f" x {int(repeats)} runs" if not is_missing(repeats) and repeats > 1 else ""
-        over = f" ({int(steps)} steps{runs})"
+    repeats = row.get("repeats_n")
+    over = "" if is_missing(repeats) else f" ({int(repeats)} run{'s' if repeats != 1 else ''})"
     return f"{low:.{digits}f}–{high:.{digits}f}{over}"
 
 
@@ -214,6 +217,8 @@ COLUMNS: dict[str, Column] = {
         Column(key="samples_per_s_low", header="samples/s 95% interval", unit="samples/s", cell=interval_cell),
         Column(key="peak_gib_min", header="peak range over runs (GiB)", unit="GiB", cell=_peak_range_cell),
         _num("step_time_cv_pct", "step time CV (%)", "%", 1),
+        _num("step_mean_se_pct", "step mean SE (%)", "%", 1),
+        _num("run_noise_pct", "run noise (%)", "%", 1),
         _num("achieved_tflops", "TFLOP/s per device", "TFLOP/s", 1),
         _num("energy_j", "energy per run (J)", "J", 0),
         _num("energy_per_sample_j", "energy per sample (J)", "J", 3),
@@ -276,8 +281,8 @@ def trial_columns(
         "train_runtime_s",
         "samples_per_s",
         "samples_per_s_low",
-        *(("runs", "samples_per_s_spread_pct") if repeats else ()),
-        *(("step_time_cv_pct",) if step_times else ()),
+        *(("runs", "samples_per_s_spread_pct", "run_noise_pct") if repeats else ()),
+        *(("step_time_cv_pct", "step_mean_se_pct") if step_times else ()),
         *(("cost_per_m_tokens",) if cost else ()),
         "trainer_samples_per_s",
         "tokens_per_s",

@@ -1,8 +1,9 @@
 """Two runs side by side: the same trials (matched by name) with B/A ratios, from the same analysis, model and
 templates as the report of one run (``hfscale compare RUN_A RUN_B``), and for each trial in both a significance
-test of the change in speed: the bootstrap interval of the ratio of time per sample (B over A, from the step
-times), read as "B is 7.0% ± 2.1% slower" or "no significant change" (the interval holds 1 or the change is within
-the 2% noise threshold). ``--fail-on-regression PCT`` turns that into an exit code for CI."""
+test of the change in speed: the interval of the ratio of time per sample (B over A, from the runs of both sweeps
+with their noise pooled, Šidák-adjusted over the trials), read as "B is 7.0% ± 2.1% slower" or "no significant
+change" (the interval holds 1 or the change is within the 2% noise threshold). ``--fail-on-regression PCT`` turns
+that into an exit code for CI."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from hfscale.report.analysis import Summary, summarize_run
 from hfscale.report.columns import COLUMNS, Column, status_cell
 from hfscale.report.machine import env_header, env_items
 from hfscale.report.model import Figure, Report, Section, Table, records
-from hfscale.report.noise import MIN_RUNS_FOR_A_RANKING, speed_ratio, speed_verdict
+from hfscale.report.noise import speed_verdict
 from hfscale.report.text import plain
 from hfscale.report.write import ReportPaths, write_files
+from hfscale.stats import Comparison, SweepNoise, sidak_critical, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -61,62 +63,68 @@ def _float(value: Any) -> float | None:
     return None if value is None or value != value else float(value)
 
 
+def _cross_evidence(a: Summary, b: Summary) -> SweepNoise:
+    """Both runs' per-run figures in one pool (``A:name``, ``B:name``): the two sweeps ran the same kind of
+    trials on the same kind of machine, so their run-to-run noise is pooled as one sweep's is."""
+    return sweep_noise(
+        {**{f"A:{n}": v for n, v in a.speed.runs.items()}, **{f"B:{n}": v for n, v in b.speed.runs.items()}}
+    )
+
+
 def significance(a: Summary, b: Summary) -> pd.DataFrame:
     """For each trial that finished ok in both runs: ``time_ratio`` (time per sample, B / A; above 1: B is
-    slower) with ``time_ratio_low``/``_high`` (95% bootstrap interval; None where either run kept no step times),
-    ``change`` (``slower``, ``faster``, ``no significant change``, or ``not tested`` without step times and
-    beyond the noise threshold) and ``change_text`` ("B is 7.0% ± 2.1% slower")."""
+    slower) with ``time_ratio_low``/``_high`` (a 95% interval from the runs of both sweeps, their noise pooled,
+    Šidák-adjusted over the trials tested so that the chance of calling any unchanged trial changed is 5%; None
+    where a side has fewer than two runs), ``change`` (``slower``, ``faster``, ``no significant change``, or
+    ``not tested``) and ``change_text`` ("B is 7.0% ± 2.1% slower")."""
     import pandas as pd
 
+    evidence = _cross_evidence(a, b)
+    common = [n for n in a.trials.index if n in b.trials.index]
+    tested = [n for n in common if evidence.testable(f"A:{n}") is None and evidence.testable(f"B:{n}") is None]
+    critical = sidak_critical(len(tested), max(evidence.noise.df, 1), evidence.confidence)
     records = []
-    for name in a.trials.index:
-        if name not in b.trials.index:
-            continue
+    for name in common:
         ra, rb = a.trials.loc[name], b.trials.loc[name]
         speed_a, speed_b = _float(ra["samples_per_s"]), _float(rb["samples_per_s"])
         if ra["status"] != "ok" or rb["status"] != "ok" or not speed_a or not speed_b:
             continue
-        interval = speed_ratio(
-            a.step_groups.get(name, []),
-            _float(ra.get("samples_per_step")),
-            b.step_groups.get(name, []),
-            _float(rb.get("samples_per_step")),
-        )
-        ratio = speed_a / speed_b if interval is None else interval.value
-        pct = 100 * (ratio - 1)
-        # The report's own verdict, two-run rule included: ratio is A's speed over B's, so "faster" means B slower.
-        runs = min(len(a.step_groups.get(name, [])), len(b.step_groups.get(name, [])))
-        said = speed_verdict(ratio, interval, runs)
-        change = {"faster": "slower", "slower": "faster", "tie": "no significant change", "untested": "not tested"}[
-            said
-        ]
-        if interval is None or said == "untested":
-            why = "no step times" if interval is None else f"fewer than {MIN_RUNS_FOR_A_RANKING} runs a side"
-            text = (
-                f"no significant change ({pct:+.1f}%, within the 2% noise threshold; {why})"
-                if said == "tie"
-                else f"B is {abs(pct):.1f}% {'slower' if pct > 0 else 'faster'}: not tested ({why})"
-            )
-        else:
-            half = 100 * (interval.high - interval.low) / 2
-            text = (
-                f"no significant change ({pct:+.1f}% ± {half:.1f}%)"
-                if said == "tie"
-                else f"B is {abs(pct):.1f}% ± {half:.1f}% {change}"
-            )
-        records.append(
-            {
-                "trial": name,
-                "time_ratio": ratio,
-                "time_ratio_low": None if interval is None else interval.low,
-                "time_ratio_high": None if interval is None else interval.high,
-                "change_pct": pct,
-                "change": change,
-                "change_text": text,
-            }
-        )
+        said = evidence.compare(f"A:{name}", f"B:{name}", critical)
+        records.append(_change_record(name, speed_a / speed_b, said))
     columns = ["trial", "time_ratio", "time_ratio_low", "time_ratio_high", "change_pct", "change", "change_text"]
     return pd.DataFrame.from_records(records, columns=columns).set_index("trial", drop=False)
+
+
+def _change_record(name: str, ratio: float, said: Comparison) -> dict[str, Any]:
+    """One trial's change from A to B; ``ratio`` is A's speed over B's (B's time per sample over A's)."""
+    interval = said.ratio
+    ratio = ratio if interval is None else interval.value
+    pct = 100 * (ratio - 1)
+    verdict = speed_verdict(ratio, said)
+    change = {"faster": "slower", "slower": "faster", "tie": "no significant change", "untested": "not tested"}[verdict]
+    if interval is None or verdict == "untested":
+        why = said.why or "no interval"
+        text = (
+            f"no significant change ({pct:+.1f}%, within the 2% noise threshold; {why})"
+            if verdict == "tie"
+            else f"B is {abs(pct):.1f}% {'slower' if pct > 0 else 'faster'}: not tested ({why})"
+        )
+    else:
+        half = 100 * (interval.high - interval.low) / 2
+        text = (
+            f"no significant change ({pct:+.1f}% ± {half:.1f}%)"
+            if verdict == "tie"
+            else f"B is {abs(pct):.1f}% ± {half:.1f}% {change}"
+        )
+    return {
+        "trial": name,
+        "time_ratio": ratio,
+        "time_ratio_low": None if interval is None else interval.low,
+        "time_ratio_high": None if interval is None else interval.high,
+        "change_pct": pct,
+        "change": change,
+        "change_text": text,
+    }
 
 
 def regressions(table: pd.DataFrame, threshold_pct: float) -> list[str]:
@@ -296,17 +304,17 @@ _CHANGE_COLUMNS = [
         header="95% interval",
         unit="x",
         cell=lambda r: (
-            "no step times"
-            if r.get("time_ratio_low") is None
-            else f"{r['time_ratio_low']:.3f}–{r['time_ratio_high']:.3f}"
+            "untested" if r.get("time_ratio_low") is None else f"{r['time_ratio_low']:.3f}–{r['time_ratio_high']:.3f}"
         ),
     ),
 ]
 CHANGE_NOTE = (
-    "Time per sample is the mean step time over samples per step (all processes); its ratio B/A comes with a 95% "
-    "percentile-bootstrap interval over both runs' steps (and repeats). No significant change: the interval holds 1 "
-    "or the change is within 2% (the noise threshold). ± is half the interval's width. Without step times (rows "
-    "written before hfscale kept them) only a change within 2% can be called; a larger one is not tested."
+    "Time per sample is the reciprocal of samples/s (each run's steady figure, geometric mean over runs); its ratio "
+    "B/A comes with a 95% interval from the run-to-run noise of both sweeps' trials pooled, Šidák-adjusted over the "
+    "trials compared (the chance of calling any unchanged trial changed is 5%). It assumes both sweeps ran on "
+    "machines of one kind: a machine that is slower as a whole shows as a change of every trial. No significant "
+    "change: the interval holds 1 or the change is within 2% (the noise threshold). ± is half the interval's width. "
+    "With fewer than two runs a side only a change within 2% can be called; a larger one is not tested."
 )
 
 

@@ -1,8 +1,10 @@
 """What a run folder is missing: the recipe's trials without a row, split into those that were started (a trial
 folder with logs: killed, or still running) and those that never started, with how far each started one got.
 
-The recipe copy in the run folder (``recipe.yaml``) says which trials exist; a trial folder holds the logs a
-started trial wrote. A folder that cannot be read as a recipe leaves the count unknown, and the report says so.
+The recipe copy in the run folder (``recipe.yaml``) says which trials exist (only its trial names are read: the
+copy was validated when its sweep started, and validating builds each model's config, which imports transformers
+and torch); a trial folder holds the logs a started trial wrote. A folder that cannot be read as a recipe leaves
+the count unknown, and the report says so.
 """
 
 from __future__ import annotations
@@ -102,11 +104,12 @@ def progress(trial_dir: Path) -> str:
 
 def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
     """The run's coverage of its recipe (see :class:`Coverage`)."""
-    from hfscale.recipe import load_recipe
+    # The names only: validating the recipe would build each model's config (transformers, torch: seconds).
+    from hfscale.recipe import read_trial_names
 
     have = list(dict.fromkeys(row_trials))
     try:
-        names = list(load_recipe(folder.recipe_path).trial_names) if folder.recipe_path.is_file() else []
+        names = read_trial_names(folder.recipe_path) if folder.recipe_path.is_file() else []
         error = None if names else f"no {folder.recipe_path.name}"
     except (OSError, ValueError) as exc:
         names, error = [], str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -117,19 +117,24 @@ def row_class(row: Mapping[str, Any]) -> str:
 NO_ENVIRONMENT = "No environment.json in this run folder: the machine and library versions are unknown."
 
 DEFINITIONS = (
-    "**samples/s (steady)**: all processes together, the warm-up steps left out: the samples of the measured steps "
-    "over their time, i.e. samples per step / **mean** step time (over all measured steps of all runs of the "
-    "trial: the mean of each run's mean); **95% interval**: percentile bootstrap (2000 resamples) of the mean step "
-    "time, over the steps of one run, or over runs and then steps when the trial ran several times (n steps x r "
-    "runs), mapped to samples/s; *single run, no interval*: the row kept no step times (rows written before "
-    "hfscale kept them), so its figure stands alone and no interval is invented. **step time CV**: standard "
-    "deviation / mean of all step times. **tokens/s**: the same statistic in tokens (padding included). "
-    "**speed-up**: samples/s against the baseline's, with the bootstrap interval of the ratio of mean step times; "
-    "**≈** marks a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold; without step "
-    "times only this second test can be made, and any larger difference is untested). A trial is flagged **may "
-    "be unstable** (in notes) when the machine was busy during it (other processes on the cores or the GPU, stolen "
-    "CPU time, clock throttling), its step-time CV exceeds 10%, or its runs disagree by more than 10%; it is not "
-    "recommended on speed. "
+    "**samples/s (steady)**: all processes together, the warm-up steps left out: each run's samples of the measured "
+    "steps over their time, and the trial's figure is the **geometric mean over its runs** (the run, a fresh "
+    "process, is the unit of replication). **95% interval**: a t-interval on the log scale whose spread is the "
+    "run-to-run noise **pooled over every trial of the sweep** (they ran interleaved on one machine and share its "
+    "noise; **run noise** is that pooled standard deviation); *single run, no interval*: no trial of the run ran "
+    "twice, so there is no run-to-run noise to measure and none is invented. **step time CV** and **step mean SE**: "
+    "how steady one run was (standard deviation / mean of its step times; the batch-means standard error of its mean "
+    "step time, which allows for slow stretches), median over runs: diagnostics, never a verdict's interval. "
+    "**tokens/s**: the same statistic in tokens (padding included). "
+    "**speed-up**: the ratio of geometric means against the baseline with **Dunnett's** simultaneous 95% interval "
+    "(many trials against one baseline: the chance that a sweep calls any identical trial faster or slower is 5%); "
+    "**≈** marks a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold). A difference is "
+    "*untested* (with the reason in notes) when either trial has fewer than two runs, or is flagged. A trial is "
+    "flagged **may be unstable** (in notes) when the machine was busy during it (other processes on the cores or the "
+    "GPU, stolen CPU time, clock throttling) or its runs disagree far beyond the sweep's pooled noise (an F test, "
+    "1% Bonferroni-adjusted); it gets no verdict and is not recommended on speed. Ties between other pairs "
+    "(the recommendation, the budget table) use the Tukey-Kramer interval of all pairs. How this was checked: "
+    "docs/statistics.md in hfscale's repository. "
     "**samples/s (Trainer)**: the Trainer's own `train_samples_per_second`, warm-up included. "
     "**wall time**: the whole process group, launch to exit (start-up, model build and engine set-up included); "
     "**train time**: the Trainer's `train_runtime`. "
@@ -265,30 +270,29 @@ def environment_sections(environment: Mapping[str, Any]) -> tuple[Section, Secti
     return short_section, full
 
 
-def noise_sentence(frame: pd.DataFrame, price_per_hour: float | None = None) -> str:
+def noise_sentence(summary: Summary) -> str:
     """What the speed figures' uncertainty rests on, in one or two sentences."""
+    frame, noise = summary.trials, summary.speed.noise
     ok = frame[frame["status"] == "ok"] if len(frame) else frame
-    with_steps = int(ok["steps_n"].fillna(0).gt(0).sum()) if len(ok) else 0
     if not len(ok):
         text = "No trial finished ok: no speed figure to qualify."
-    elif with_steps == 0:
+    elif noise.df < 1:
         text = (
-            "No trial of this run kept its step times (rows written before hfscale recorded them), so no speed "
-            "figure has an interval: each is a single run. Differences within 2% are shown as ties (≈); any "
-            "larger ranking between trials is untested against the noise."
-        )
-    elif with_steps < len(ok):
-        text = (
-            f"{with_steps} of {len(ok)} ok trials kept their step times and carry 95% bootstrap intervals; the "
-            "others are single figures (single run, no interval)."
+            "No trial ran twice, so the run-to-run noise is unknown and no speed figure has an interval. Differences "
+            "within 2% are shown as ties (≈); any larger ranking is untested: run each trial at least twice "
+            "(measure.repeats: 3, or measure.target_precision)."
         )
     else:
-        text = "Every speed figure carries a 95% bootstrap interval over its measured steps (and runs)."
+        text = (
+            f"Intervals come from runs: the run-to-run noise pooled over {len(noise.trials)} trials "
+            f"({noise.df} degrees of freedom) is {noise.sd:.1%} of a run's samples/s"
+            + ("; verdicts against the baseline hold jointly at 95% (Dunnett)." if summary.baseline else ".")
+        )
     unstable = list(ok.index[ok["unstable"].fillna(False).astype(bool)]) if len(ok) else []
     if unstable:
-        text += f" May be unstable (not recommended on speed; reasons in the notes): {', '.join(unstable)}."
-    if price_per_hour is not None:
-        text += f" Costs assume {price_per_hour:g} per device-hour (--price-per-hour)."
+        text += f" May be unstable (no verdict, not recommended on speed; reasons in the notes): {', '.join(unstable)}."
+    if summary.price_per_hour is not None:
+        text += f" Costs assume {summary.price_per_hour:g} per device-hour (--price-per-hour)."
     return text
 
 
@@ -305,7 +309,7 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
         cost=summary.price_per_hour is not None,
         compiled=bool(frame["compiled"].any()) if len(frame) else False,
     )
-    budget = budget_rows(frame, summary.step_groups) if len(frame) else []
+    budget = budget_rows(frame, summary.speed) if len(frame) else []
     sections = [
         Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
         env,
@@ -371,7 +375,7 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
     intro = [plain(f"{len(frame)} trials: {counts}. {summary.baseline_note}")]
     if summary.coverage is not None:
         intro.append(plain(summary.coverage.sentence()))
-    intro.append(plain(noise_sentence(frame, summary.price_per_hour)))
+    intro.append(plain(noise_sentence(summary)))
     return Report(
         title=f"hfscale report: {summary.run_dir.resolve().name}",
         intro=tuple(intro),

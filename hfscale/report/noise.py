@@ -1,20 +1,19 @@
-"""Every speed figure of the report with its noise: intervals, ties against the baseline, stability flags, energy.
+"""Every speed figure of the report with its noise: run-level intervals, verdicts against the baseline, stability
+flags, energy.
 
-A trial's steady-state samples/s is the samples of its measured steps over their time, i.e. the samples per step
-over the **mean** step time; its 95% interval is the percentile bootstrap of that mean (``hfscale.stats``: over the
-steps of one run, hierarchically over repeats and then steps when the trial ran several times), mapped through
-``samples per step / step time``. A speed-up against the baseline is the bootstrap ratio of the two trials' mean
-step times (scaled by their samples per step); a ratio whose interval holds 1, or that lies within the 2% noise
-threshold of it, is a tie; a difference outside it is called faster or slower only when both trials ran at
-least twice (one run cannot show the noise between runs), else it is "untested". A row without step times (rows
-written before hfscale kept them) gets no interval: it is
-a single figure, and only a difference within the noise threshold can be called (a tie); any other ranking of such
-rows is "untested".
+The unit of replication is the run. Each run that finished ok gives one figure, its steady samples/s (the samples
+of its measured steps over their time); a trial's samples/s is the **geometric mean over its runs**, and its 95%
+interval is a t-interval on the log scale whose standard deviation is the run-to-run noise **pooled over every
+trial of the sweep** (:func:`hfscale.stats.sweep_noise`). A speed-up against the baseline is the ratio of the two
+geometric means with **Dunnett's** simultaneous 95% interval, so that the chance of calling any identical trial
+faster or slower in a whole sweep is 5%; a ratio whose interval holds 1, or that lies within the 2% noise threshold
+of it, is a tie. A difference is called only when both trials ran at least twice and neither is flagged (its
+runs disagree far beyond the sweep's noise); otherwise it is "untested", with the reason.
 
-A trial is flagged "may be unstable" (pyperf's words) when the machine was busy while it ran
-(:func:`hfscale.activity.disturbances`), when its step times vary by more than :data:`hfscale.stats.UNSTABLE_CV`
-of their mean, or when its repeats disagree by more than :data:`REPEAT_SPREAD_LIMIT`; such a trial is not
-recommended on a speed claim.
+The noise between steps is a diagnostic of one run, never the interval of a verdict: the step-time CV and the
+batch-means standard error of a run's mean step time. A trial is flagged "may be unstable" (pyperf's words) when
+the machine was busy while it ran (:func:`hfscale.activity.disturbances`) or when its runs disagree beyond the
+sweep's noise; such a trial gets no verdict and is not recommended on a speed claim.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hfscale import stats
 from hfscale.activity import disturbances
 from hfscale.results import TrialResult
@@ -31,38 +32,33 @@ from hfscale.results import TrialResult
 if TYPE_CHECKING:
     import pandas as pd
 
-REPEAT_SPREAD_LIMIT = 0.10
-"""Repeats whose mean step times differ by more than 10% of their mean make a trial "may be unstable"."""
 NOISE_THRESHOLD = stats.DEFAULT_NOISE_THRESHOLD
-
-Groups = list[list[float]]
-"""A trial's step times: one list per repeat that kept them."""
+MIN_RUNS_FOR_A_RANKING = stats.MIN_RUNS
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(present) if present else None
+def _finite(values: Sequence[float]) -> bool:
+    return bool(values) and all(math.isfinite(v) and v > 0 for v in values)
 
 
-def step_groups(runs: Sequence[TrialResult]) -> Groups:
-    """The measured step times of each run that finished ok and kept them."""
-    return [
-        list(r.throughput.step_times_s)
-        for r in runs
-        if r.status == "ok" and r.throughput is not None and r.throughput.step_times_s
-    ]
-
-
-def _per_step(runs: Sequence[TrialResult], attr: str) -> float | None:
-    """Samples (``samples_per_s``) or tokens (``tokens_per_s``) per measured step, median over the runs: the
-    run's figure times its mean step time (the samples it really measured over its steps)."""
+def run_rates(runs: Sequence[TrialResult], attr: str = "samples_per_s") -> list[float]:
+    """Each ok run's steady figure (``samples_per_s`` or ``tokens_per_s``): the run is the unit of replication.
+    A run whose step times hold a non-finite value gives none (that row gets no interval; the report goes on)."""
     values = []
     for r in runs:
         tp = r.throughput
-        rate = getattr(tp, attr) if tp is not None else None
-        if r.status == "ok" and tp is not None and tp.step_times_s and rate is not None:
-            values.append(rate * statistics.fmean(tp.step_times_s))
-    return _median(values)
+        value = r.samples_per_s if attr == "samples_per_s" else getattr(tp, attr, None)
+        if r.status != "ok" or value is None or not (math.isfinite(value) and value > 0):
+            continue
+        if tp is not None and tp.step_times_s and not _finite(tp.step_times_s):
+            continue
+        values.append(float(value))
+    return values
+
+
+def _geometric_mean(values: Sequence[float]) -> float | None:
+    if len(values) < 2:  # one run's figure as it was measured, not through exp(log(x))
+        return values[0] if values else None
+    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def _energy(runs: Sequence[TrialResult]) -> tuple[float | None, float | None]:
@@ -85,51 +81,52 @@ def _energy(runs: Sequence[TrialResult]) -> tuple[float | None, float | None]:
     return (statistics.fmean(per_run) if per_run else None, statistics.fmean(per_sample) if per_sample else None)
 
 
-def trial_noise(runs: Sequence[TrialResult]) -> tuple[dict[str, Any], Groups]:
-    """The statistics columns of one trial (its ok runs), and its step-time groups.
+def _step_diagnostics(ok: Sequence[TrialResult]) -> dict[str, Any]:
+    """How steady each run was (median over runs): step-time CV and the batch-means standard error of the run's
+    mean step time; the mean step time over runs; the steps they rest on."""
+    times = [list(r.throughput.step_times_s) for r in ok if r.throughput is not None and r.throughput.step_times_s]
+    times = [t for t in times if _finite(t)]
+    if not times:
+        return {"steps_n": 0}
+    se = [s for t in times if (s := stats.batch_means_se(t)) is not None]
+    return {
+        "steps_n": sum(len(t) for t in times),
+        "step_time_mean_s": statistics.fmean(statistics.fmean(t) for t in times),
+        "step_time_cv_pct": 100 * statistics.median(stats.coefficient_of_variation(t) for t in times),
+        "step_mean_se_pct": 100 * statistics.median(se) if se else None,
+    }
 
-    Columns: ``steps_n`` and ``repeats_n`` (what the interval is over), ``step_time_mean_s`` with
-    ``step_time_low_s``/``step_time_high_s``, ``samples_per_s_low``/``_high`` and ``tokens_per_s_low``/``_high``
-    (None without step times), ``samples_per_step``, ``step_time_cv_pct``, ``repeat_spread_pct``, ``unstable`` and
-    ``unstable_reason``, ``peak_gib_min``/``peak_gib_max`` over repeats, ``energy_j``, ``energy_per_sample_j``;
-    plus ``samples_per_s``/``tokens_per_s`` recomputed from the mean step time where there are step times.
+
+def trial_noise(runs: Sequence[TrialResult]) -> tuple[dict[str, Any], list[float]]:
+    """The columns of one trial that need only its own runs, and its per-run samples/s (the evidence of its
+    verdicts: :func:`sweep_columns` adds the intervals once every trial's runs are known).
+
+    Columns: ``steps_n``, ``repeats_n`` (runs with a figure), ``step_time_mean_s``, ``step_time_cv_pct`` and
+    ``step_mean_se_pct`` (within-run diagnostics), ``repeat_spread_pct`` ((max - min) / mean of the runs' figures),
+    ``samples_per_s``/``tokens_per_s`` (geometric means over runs), ``unstable``/``unstable_reason`` (the machine
+    was busy), ``peak_gib_min``/``peak_gib_max`` over repeats, ``energy_j``, ``energy_per_sample_j``.
     """
     ok = [r for r in runs if r.status == "ok"]
-    groups = step_groups(ok)
+    rates = run_rates(ok)
     out: dict[str, Any] = {key: None for key in _KEYS}
-    out.update(steps_n=sum(len(g) for g in groups), repeats_n=len(groups), unstable=False)
-    reasons: list[str] = []
-    for r in ok:
-        for sentence in disturbances(r.activity):
-            where = f"repeat {r.repeat + 1}: " if len(ok) > 1 else ""
-            reasons.append(where + sentence)
+    out.update(_step_diagnostics(ok), repeats_n=len(rates), unstable=False)
+    reasons = [
+        (f"repeat {r.repeat + 1}: " if len(ok) > 1 else "") + sentence
+        for r in ok
+        for sentence in disturbances(r.activity)
+    ]
     peaks = [r.peak_gib for r in ok if r.peak_gib is not None]
     if len(peaks) > 1:
         out.update(peak_gib_min=min(peaks), peak_gib_max=max(peaks))
     out["energy_j"], out["energy_per_sample_j"] = _energy(ok)
-    if groups:
-        interval = stats.bootstrap_interval(groups if len(groups) > 1 else groups[0])
-        per_sample, per_token = _per_step(ok, "samples_per_s"), _per_step(ok, "tokens_per_s")
-        out.update(
-            step_time_mean_s=interval.value,
-            step_time_low_s=interval.low,
-            step_time_high_s=interval.high,
-            samples_per_step=per_sample,
-        )
-        for key, per_step in (("samples_per_s", per_sample), ("tokens_per_s", per_token)):
-            if per_step is not None:
-                rate = interval.map(lambda t, k=per_step: k / t)
-                out.update({key: rate.value, f"{key}_low": rate.low, f"{key}_high": rate.high})
-        cv = stats.coefficient_of_variation(groups)
-        spread = stats.repeat_spread(groups)
-        out.update(step_time_cv_pct=100 * cv, repeat_spread_pct=100 * spread if len(groups) > 1 else None)
-        if cv > stats.UNSTABLE_CV:
-            reasons.append(f"step times vary by {cv:.0%} of their mean (over {stats.UNSTABLE_CV:.0%})")
-        if spread > REPEAT_SPREAD_LIMIT:
-            reasons.append(f"its repeats disagree by {spread:.0%} (over {REPEAT_SPREAD_LIMIT:.0%})")
+    if rates:
+        out["samples_per_s"] = _geometric_mean(rates)
+        out["tokens_per_s"] = _geometric_mean(run_rates(ok, "tokens_per_s"))
+        if len(rates) > 1:
+            out["repeat_spread_pct"] = 100 * (max(rates) - min(rates)) / statistics.fmean(rates)
     if reasons:
         out.update(unstable=True, unstable_reason="; ".join(reasons))
-    return out, groups
+    return out, rates
 
 
 _KEYS = (
@@ -138,13 +135,14 @@ _KEYS = (
     "step_time_mean_s",
     "step_time_low_s",
     "step_time_high_s",
-    "samples_per_step",
     "samples_per_s_low",
     "samples_per_s_high",
     "tokens_per_s_low",
     "tokens_per_s_high",
     "step_time_cv_pct",
+    "step_mean_se_pct",
     "repeat_spread_pct",
+    "run_noise_pct",
     "unstable",
     "unstable_reason",
     "peak_gib_min",
@@ -153,37 +151,7 @@ _KEYS = (
     "energy_per_sample_j",
 )
 NOISE_KEYS: tuple[str, ...] = _KEYS
-"""Every column :func:`trial_noise` adds (for a table with no rows)."""
-
-
-def speed_ratio(
-    top: Groups, top_per_step: float | None, bottom: Groups, bottom_per_step: float | None
-) -> stats.Interval | None:
-    """samples/s of ``top`` over samples/s of ``bottom`` with its bootstrap interval; None without step times."""
-    if not top or not bottom or not top_per_step or not bottom_per_step:
-        return None
-    times = stats.ratio_interval(bottom if len(bottom) > 1 else bottom[0], top if len(top) > 1 else top[0])
-    return times.map(lambda x: x * top_per_step / bottom_per_step)
-
-
-MIN_RUNS_FOR_A_RANKING = 2
-"""Runs each side needs before a difference is called faster or slower: one run's steps show the noise within a
-run, not between runs (a fresh process, another memory layout, the machine's other load), which on a shared CPU is
-the larger part (the 0.1 cpu_small sweep gave bf16 0.69x and then 1.03x of fp32 in two single runs)."""
-
-
-def speed_verdict(
-    ratio: float | None, interval: stats.Interval | None, runs: int = MIN_RUNS_FOR_A_RANKING
-) -> str | None:
-    """``faster``, ``slower`` or ``tie`` for a samples/s ratio; ``untested`` when the ratio departs from 1 by more
-    than the noise threshold but there is no interval, or either side has fewer than :data:`MIN_RUNS_FOR_A_RANKING`
-    runs (``runs`` is the smaller count); None when there is no ratio."""
-    if ratio is None or not math.isfinite(ratio):
-        return None
-    if interval is None or runs < MIN_RUNS_FOR_A_RANKING:
-        return "tie" if abs(ratio - 1) <= NOISE_THRESHOLD else "untested"
-    said = stats.verdict(interval, noise_threshold=NOISE_THRESHOLD)
-    return {"higher": "faster", "lower": "slower", "tie": "tie"}[said]
+"""Every column :func:`trial_noise` and :func:`sweep_columns` add (for a table with no rows)."""
 
 
 def _value(row: Mapping[str, Any], key: str) -> float | None:
@@ -191,59 +159,121 @@ def _value(row: Mapping[str, Any], key: str) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def against(frame: pd.DataFrame, baseline: str | None, groups: Mapping[str, Groups]) -> None:
+def sweep_columns(frame: pd.DataFrame, evidence: stats.SweepNoise) -> None:
+    """Each trial's intervals from the sweep's pooled run-to-run noise, and the "may be unstable" flag of a trial
+    whose runs disagree beyond the pool, in place. ``run_noise_pct`` is the pooled noise the intervals rest on."""
+    for name in frame.index:
+        if name in evidence.flagged:
+            reason = frame.loc[name, "unstable_reason"]
+            joined = evidence.flagged[name] if not isinstance(reason, str) else f"{reason}; {evidence.flagged[name]}"
+            frame.loc[name, ["unstable", "unstable_reason"]] = [True, joined]
+        level = evidence.level(name)
+        if level is None:
+            continue
+        frame.loc[name, "run_noise_pct"] = 100 * evidence.noise.sd if name not in evidence.flagged else math.nan
+        for key in ("samples_per_s", "tokens_per_s"):
+            value = _value(frame.loc[name], key)
+            if value is not None:  # the same relative interval: tokens per sample is fixed within a trial
+                frame.loc[name, [f"{key}_low", f"{key}_high"]] = [
+                    value * level.low / level.value,
+                    value * level.high / level.value,
+                ]
+        mean = _value(frame.loc[name], "step_time_mean_s")
+        if mean is not None:
+            frame.loc[name, ["step_time_low_s", "step_time_high_s"]] = [
+                mean * level.value / level.high,
+                mean * level.value / level.low,
+            ]
+
+
+_WORDS = {"higher": "faster", "lower": "slower", "tie": "tie", "untested": "untested"}
+
+
+def speed_verdict(ratio: float | None, said: stats.Comparison | None) -> str | None:
+    """``faster``, ``slower``, ``tie`` or ``untested`` for a samples/s ratio and what the sweep's evidence said of
+    it; without an interval only a ratio within the noise threshold is a tie. None when there is no ratio."""
+    if ratio is None or not math.isfinite(ratio):
+        return None
+    if said is None or (said.ratio is None and said.few_runs):  # a figure alone: only a tie within 2% is said
+        return "tie" if stats.within_threshold(ratio, NOISE_THRESHOLD) else "untested"
+    if said.ratio is None or said.why is not None:
+        return "untested"
+    return _WORDS[said.verdict]
+
+
+def against(frame: pd.DataFrame, baseline: str | None, evidence: stats.SweepNoise) -> None:
     """Speed-up and memory saved against the baseline, with their intervals and the verdict, in place.
 
-    ``speedup_low``/``_high``: the bootstrap ratio of step times (None where either trial has none);
-    ``verdict``: ``baseline``, ``faster``, ``slower``, ``tie`` or ``untested`` (see :func:`speed_verdict`);
-    ``memory_saved_pct_low``/``_high``: from the peaks' range over repeats (None with one run each).
+    ``speedup_low``/``_high``: Dunnett's simultaneous interval of the ratio of geometric means (None where either
+    trial cannot be tested); ``verdict``: ``baseline``, ``faster``, ``slower``, ``tie`` or ``untested`` (see
+    :func:`speed_verdict`), ``verdict_reason`` why a difference is untested; ``memory_saved_pct_low``/``_high``:
+    from the peaks' range over repeats (None with one run each).
     """
     columns = ("speedup_vs_baseline", "speedup_low", "speedup_high", "memory_saved_gib", "memory_saved_pct")
     for column in (*columns, "memory_saved_pct_low", "memory_saved_pct_high"):
         frame[column] = math.nan
     frame["verdict"] = None
+    frame["verdict_reason"] = None
     if baseline is None:
         return
     base = frame.loc[baseline]
     frame["speedup_vs_baseline"] = frame["samples_per_s"] / base["samples_per_s"]
     frame["memory_saved_gib"] = base["peak_gib"] - frame["peak_gib"]
     frame["memory_saved_pct"] = 100.0 * frame["memory_saved_gib"] / base["peak_gib"]
-    b_low, b_high = _value(base, "peak_gib_min"), _value(base, "peak_gib_max")
     for name, row in frame.iterrows():
-        ratio = _value(row, "speedup_vs_baseline")
-        interval = speed_ratio(
-            groups.get(name, []),
-            _value(row, "samples_per_step"),
-            groups.get(baseline, []),
-            _value(base, "samples_per_step"),
-        )
-        if interval is not None:
-            frame.loc[name, ["speedup_low", "speedup_high"]] = [interval.low, interval.high]
-        runs = min(len(groups.get(name, [])), len(groups.get(baseline, [])))
-        frame.loc[name, "verdict"] = "baseline" if name == baseline else speed_verdict(ratio, interval, runs)
-        t_low, t_high = _value(row, "peak_gib_min"), _value(row, "peak_gib_max")
-        if name != baseline and (b_low is not None or t_low is not None):
-            base_range = (b_low, b_high) if b_low is not None else (base["peak_gib"],) * 2
-            trial_range = (t_low, t_high) if t_low is not None else (row["peak_gib"],) * 2
-            saved = [100 * (1 - t / b) for b in base_range for t in trial_range if b and t == t]
-            if saved:
-                frame.loc[name, ["memory_saved_pct_low", "memory_saved_pct_high"]] = [min(saved), max(saved)]
+        if name == baseline:
+            frame.loc[name, "verdict"] = "baseline"
+            continue
+        said = _unless_unstable(evidence.against(name, baseline), row, base)
+        if said.ratio is not None:
+            frame.loc[name, ["speedup_low", "speedup_high"]] = [said.ratio.low, said.ratio.high]
+        verdict = speed_verdict(_value(row, "speedup_vs_baseline"), said)
+        frame.loc[name, "verdict"] = verdict
+        if verdict == "untested":
+            frame.loc[name, "verdict_reason"] = said.why or "no interval"
+        _memory_saved(frame, name, row, base)
 
 
-def speed_tie(a: Mapping[str, Any], b: Mapping[str, Any], groups: Mapping[str, Groups]) -> tuple[bool, bool]:
-    """Whether two trials' samples/s cannot be told apart, and whether that was tested with an interval."""
+def _flagged(value: Any) -> bool:
+    """True for a flag that is set, whether it comes as Python's bool or numpy's (a frame's row), never for NaN."""
+    return isinstance(value, bool | np.bool_) and bool(value)
+
+
+def _unless_unstable(said: stats.Comparison, *rows: Mapping[str, Any]) -> stats.Comparison:
+    """``said``, or untested when either trial may be unstable (a disturbed run: its figure, but no claim)."""
+    for row in rows:
+        if _flagged(row.get("unstable")):
+            why = f"{row['trial']} may be unstable: {row['unstable_reason']}"
+            return stats.Comparison(verdict="untested", ratio=said.ratio, why=why)
+    return said
+
+
+def _memory_saved(frame: pd.DataFrame, name: str, row: pd.Series, base: pd.Series) -> None:
+    b_low, b_high = _value(base, "peak_gib_min"), _value(base, "peak_gib_max")
+    t_low, t_high = _value(row, "peak_gib_min"), _value(row, "peak_gib_max")
+    if b_low is None and t_low is None:
+        return
+    base_range = (b_low, b_high) if b_low is not None else (base["peak_gib"],) * 2
+    trial_range = (t_low, t_high) if t_low is not None else (row["peak_gib"],) * 2
+    saved = [100 * (1 - t / b) for b in base_range for t in trial_range if b and t == t]
+    if saved:
+        frame.loc[name, ["memory_saved_pct_low", "memory_saved_pct_high"]] = [min(saved), max(saved)]
+
+
+def speed_tie(a: Mapping[str, Any], b: Mapping[str, Any], evidence: stats.SweepNoise) -> tuple[bool, bool]:
+    """Whether two trials' samples/s cannot be told apart (all-pairs family, Tukey-Kramer; against the baseline,
+    the table's Dunnett verdict), and whether that was tested with an interval (never for a trial that may be
+    unstable)."""
     ratio = _value(a, "samples_per_s"), _value(b, "samples_per_s")
     if ratio[0] is None or ratio[1] is None or not ratio[1]:
         return False, False
-    interval = speed_ratio(
-        groups.get(a["trial"], []),
-        _value(a, "samples_per_step"),
-        groups.get(b["trial"], []),
-        _value(b, "samples_per_step"),
-    )
-    runs = min(len(groups.get(a["trial"], [])), len(groups.get(b["trial"], [])))
-    tested = interval is not None and runs >= MIN_RUNS_FOR_A_RANKING  # the interval could decide the verdict
-    return speed_verdict(ratio[0] / ratio[1], interval, runs) == "tie", tested
+    baseline = next((row["trial"] for row in (a, b) if row.get("is_baseline") is True), None)
+    if baseline is not None:  # against the baseline: the table's own verdict (Dunnett), never a second opinion
+        said = evidence.against(b["trial"] if baseline == a["trial"] else a["trial"], baseline)
+    else:
+        said = evidence.pair(a["trial"], b["trial"])
+    said = _unless_unstable(said, a, b)
+    return speed_verdict(ratio[0] / ratio[1], said) == "tie", said.ratio is not None and said.why is None
 
 
 def memory_tie(a: Mapping[str, Any], b: Mapping[str, Any], key: str = "fit_gib") -> bool:
@@ -262,14 +292,14 @@ def memory_tie(a: Mapping[str, Any], b: Mapping[str, Any], key: str = "fit_gib")
 
 
 __all__ = [
+    "MIN_RUNS_FOR_A_RANKING",
     "NOISE_KEYS",
     "NOISE_THRESHOLD",
-    "REPEAT_SPREAD_LIMIT",
     "against",
     "memory_tie",
-    "speed_ratio",
+    "run_rates",
     "speed_tie",
     "speed_verdict",
-    "step_groups",
+    "sweep_columns",
     "trial_noise",
 ]

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from hfscale.report.columns import is_missing
 from hfscale.report.machine import GIB, format_bytes
-from hfscale.report.noise import Groups, memory_tie, speed_tie
+from hfscale.report.noise import memory_tie, speed_tie
 from hfscale.report.text import Text, rich
+from hfscale.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -83,14 +84,14 @@ def _fit_text(row: pd.Series) -> str:
 
 
 def _fastest_lines(
-    pool: pd.DataFrame, groups: Mapping[str, Groups], head: str
+    pool: pd.DataFrame, evidence: SweepNoise, head: str
 ) -> tuple[pd.Series, list[Text], tuple[str, ...]]:
     """The fastest of ``pool`` (sorted fastest first, not empty), its ties named and broken by memory."""
     leader = pool.iloc[0]
     tested = True
     tied = [leader]
     for _, other in pool.iloc[1:].iterrows():
-        tie, with_interval = speed_tie(leader, other, groups)
+        tie, with_interval = speed_tie(leader, other, evidence)
         if tie:
             tied.append(other)
             tested = tested and with_interval
@@ -109,13 +110,14 @@ def _fastest_lines(
         ]
         if len(pool) > 1:
             runner = pool.iloc[1]
-            _, with_interval = speed_tie(leader, runner, groups)
+            _, with_interval = speed_tie(leader, runner, evidence)
             if not with_interval:
                 lead = 100 * (leader["samples_per_s"] / runner["samples_per_s"] - 1)
                 lines.append(
                     rich(
                         "Its lead over {other} ({lead:.1f}%) is not tested against the noise: that needs at least "
-                        "two runs of each trial with step times (measure.repeats, or measure.target_precision).",
+                        "two runs of each trial whose runs share the sweep's noise (measure.repeats, or "
+                        "measure.target_precision).",
                         other=runner["trial"],
                         lead=lead,
                     )
@@ -127,8 +129,8 @@ def _fastest_lines(
     why = (
         "the 95% interval of each speed ratio holds 1 or stays within 2% of it"
         if tested
-        else "they are within the 2% noise threshold of each other, and without two runs of each (with step "
-        "times) no interval could rank them"
+        else "they are within the 2% noise threshold of each other, and no interval could rank them (fewer than "
+        "two runs of each, or a trial that may be unstable)"
     )
     by_memory = sorted(tied, key=lambda r: r["fit_gib"])
     best = by_memory[0]
@@ -157,7 +159,7 @@ def _fastest_lines(
     return best, line, tuple(n for n in names if n != best["trial"])
 
 
-def _frugal_lines(candidates: pd.DataFrame, groups: Mapping[str, Groups]) -> tuple[pd.Series, list[Text]]:
+def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Series, list[Text]]:
     by_memory = candidates.sort_values(["fit_gib", "samples_per_s"], ascending=[True, False], kind="stable")
     leader = by_memory.iloc[0]
     tied = [leader] + [r for _, r in by_memory.iloc[1:].iterrows() if memory_tie(leader, r)]
@@ -179,12 +181,22 @@ def _frugal_lines(candidates: pd.DataFrame, groups: Mapping[str, Groups]) -> tup
     fits = ", ".join(f"{r['trial']} {_f(r['fit_gib'], 3)} GiB" for r in tied)
     by_speed = sorted(tied, key=lambda r: -r["samples_per_s"])
     best = by_speed[0]
-    same_speed = all(speed_tie(best, r, groups)[0] for r in by_speed[1:])
+    said = [speed_tie(best, r, evidence) for r in by_speed[1:]]
     lines = [rich("Least memory: " + marks + " tie (within 2%: {fits}).", **values, fits=fits)]
-    if same_speed:
+    if all(tie for tie, _ in said):
         lines.append(
             rich(
                 "Their speeds tie too, so either will do; **{name}** is marked only for its lower point figure.",
+                name=leader["trial"],
+            )
+        )
+        return leader, lines
+    if not all(not tie and tested for tie, tested in said):  # faster than every other one, tested, or no claim
+        lines.append(
+            rich(
+                "Speed does not break the tie: no test shows one of them faster than all the others (some tie, or "
+                "have fewer than two runs, or may be unstable); **{name}** is marked only for its lower point "
+                "figure.",
                 name=leader["trial"],
             )
         )
@@ -227,13 +239,13 @@ def _other_job_lines(fastest: pd.Series, frame: pd.DataFrame) -> list[Text]:
 
 
 def recommend(
-    frame: pd.DataFrame, budget: int | None, source: str, groups: Mapping[str, Groups] | None = None
+    frame: pd.DataFrame, budget: int | None, source: str, evidence: SweepNoise | None = None
 ) -> Recommendation:
     """Only ok trials with throughput and memory measured, and a loss the parity check did not flag, qualify; a
     budget is checked against ``fit_gib`` (what the device had to hold: NVML process memory, else the allocator's
     reserved peak, else the peak). Trials flagged "may be unstable" are not recommended on speed. Ties (see
     :mod:`hfscale.report.noise`) are named as ties and broken by the other axis."""
-    groups = groups or {}
+    evidence = evidence if evidence is not None else sweep_noise({})
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
     flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
     flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
@@ -284,7 +296,7 @@ def recommend(
     elif budget is None:
         fastest, said, ties = _fastest_lines(
             by_speed,
-            groups,
+            evidence,
             "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
             "fastest trial overall is",
         )
@@ -293,7 +305,7 @@ def recommend(
         fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
         where = f"within {format_bytes(budget)} per device ({source})"
         if not fitting.empty:
-            fastest, said, ties = _fastest_lines(fitting, groups, f"Fastest {where}:")
+            fastest, said, ties = _fastest_lines(fitting, evidence, f"Fastest {where}:")
             lines += said
         else:
             smallest = candidates.sort_values("fit_gib").iloc[0]
@@ -306,7 +318,7 @@ def recommend(
             )
     if fastest is not None:
         lines += _other_job_lines(fastest, frame)
-    frugal, said = _frugal_lines(candidates, groups)
+    frugal, said = _frugal_lines(candidates, evidence)
     lines += said
     if candidates["peak_reserved_gib"].notna().any():
         outside = outside_allocator_gib(candidates)

@@ -20,15 +20,28 @@ def group_rows(rows: Sequence[TrialResult]) -> list[tuple[str, list[TrialResult]
     """Rows grouped into trials, in order of first appearance: the repeats of a trial (``repeats`` > 1) form one
     group; any other name that comes again gets ``#2``, ``#3``... so no row is hidden."""
     groups: dict[tuple[str, bool], list[TrialResult]] = {}
-    seen: dict[str, int] = {}
+    names: dict[tuple[str, bool], str] = {}
+    taken: set[str] = set()
+
+    def fresh(trial: str) -> str:  # a name no group holds yet: a repeated single row or a resumed trial stays apart
+        name, k = trial, 1
+        while name in taken:
+            k += 1
+            name = f"{trial}#{k}"
+        taken.add(name)
+        return name
+
     for row in rows:
         if row.repeats > 1:
-            groups.setdefault((row.trial, True), []).append(row)
+            key = (row.trial, True)
+            if key not in groups:
+                names[key] = fresh(row.trial)
+            groups.setdefault(key, []).append(row)
             continue
-        seen[row.trial] = seen.get(row.trial, 0) + 1
-        name = row.trial if seen[row.trial] == 1 else f"{row.trial}#{seen[row.trial]}"
-        groups[(name, False)] = [row]
-    return [(name, group) for (name, _), group in groups.items()]
+        key = (fresh(row.trial), False)
+        names[key] = key[0]
+        groups[key] = [row]
+    return [(names[key], group) for key, group in groups.items()]
 
 
 def group_status(group: Sequence[TrialResult]) -> tuple[str, str | None]:
@@ -141,6 +154,7 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
         "reason": reason,
         "is_baseline": any(r.is_baseline for r in group),
         "runs": len(group),
+        "stopping": next((r.stopping for r in group if r.stopping), None),
         "world_size": world,
         "peak_gib": memory.peak_gib if memory else None,
         "peak_reserved_gib": memory.peak_reserved_gib if memory else None,
