@@ -159,8 +159,6 @@ def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) 
     tested, so that a sweep of identical trials flags one only about ``alpha`` of the time. A trial that does not
     share the sweep's noise (a disturbed run, a bimodal start-up) gets no verdict.
     """
-    from scipy.special import fdtrc
-
     logs = {name: run_logs(values) for name, values in runs.items()}
     squares = {name: float(((x - x.mean()) ** 2).sum()) for name, x in logs.items() if x.size >= 2}
     total, total_df = sum(squares.values()), sum(logs[name].size - 1 for name in squares)
@@ -171,6 +169,8 @@ def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) 
         rest_var = (total - own_squares) / rest_df if rest_df else 0.0
         if rest_var <= 0:
             continue
+        from scipy.special import fdtrc  # here: a sweep of single runs never pays scipy's import
+
         own_var = own_squares / own_df
         p = float(fdtrc(own_df, rest_df, own_var / rest_var))
         if p < alpha / len(squares):
