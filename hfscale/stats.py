@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,9 +25,6 @@ import numpy as np
 DEFAULT_CONFIDENCE = 0.95
 DEFAULT_NOISE_THRESHOLD = 0.02
 """A ratio within 2% of 1 is a tie even when its interval excludes 1 (criterion.rs's default noise threshold)."""
-UNSTABLE_CV = 0.10
-"""Step times whose standard deviation exceeds 10% of their mean are reported as scattered (pyperf's rule); a
-diagnostic of one run, not a verdict."""
 OUTLIER_ALPHA = 0.01
 """A trial whose runs disagree beyond the rest of the sweep's pooled run-to-run noise at this level
 (Bonferroni-adjusted over the trials tested) is flagged and gets no verdict."""
@@ -63,19 +60,6 @@ class Interval:
 
     def contains(self, x: float) -> bool:
         return self.low <= x <= self.high
-
-    def map(self, fn: Callable[[float], float]) -> Interval:
-        """The interval of a monotonic function of the statistic (a decreasing one swaps the bounds)."""
-        a, b = fn(self.low), fn(self.high)
-        return Interval(
-            value=fn(self.value),
-            low=min(a, b),
-            high=max(a, b),
-            confidence=self.confidence,
-            statistic=self.statistic,
-            samples=self.samples,
-            repeats=self.repeats,
-        )
 
 
 def run_logs(values: Sequence[float]) -> np.ndarray:
@@ -373,7 +357,6 @@ __all__ = [
     "DEFAULT_NOISE_THRESHOLD",
     "MIN_RUNS",
     "OUTLIER_ALPHA",
-    "UNSTABLE_CV",
     "Comparison",
     "Interval",
     "RunNoise",

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import pandas as pd
 
 NOISE_THRESHOLD = stats.DEFAULT_NOISE_THRESHOLD
-MIN_RUNS_FOR_A_RANKING = stats.MIN_RUNS
 
 
 def _finite(values: Sequence[float]) -> bool:
@@ -292,7 +291,6 @@ def memory_tie(a: Mapping[str, Any], b: Mapping[str, Any], key: str = "fit_gib")
 
 
 __all__ = [
-    "MIN_RUNS_FOR_A_RANKING",
     "NOISE_KEYS",
     "NOISE_THRESHOLD",
     "against",
