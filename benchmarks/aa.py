@@ -23,7 +23,7 @@ def sweep(out: Path, repeats: int) -> tuple[Path, float]:
     """One sweep of the A/A recipe with ``repeats`` runs a trial; its folder and its seconds."""
     import yaml
 
-    from hfscale.sweep import run_sweep
+    from hfscale.sweep.loop import run_sweep
 
     data = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
     data["measure"]["repeats"] = repeats
@@ -38,7 +38,7 @@ def sweep(out: Path, repeats: int) -> tuple[Path, float]:
 def judge(run_dir: Path, rounds: int) -> dict[str, str]:
     """Each trial's verdict against the baseline from the first ``rounds`` runs of every trial."""
     from hfscale.report import summarize
-    from hfscale.run_folder import RunFolder
+    from hfscale.results.run_folder import RunFolder
 
     rows = [r for r in RunFolder(run_dir).rows() if r.repeat < rounds]
     frame = summarize(rows).trials

@@ -92,8 +92,8 @@ def run_bare(folder: Path, warmup: int) -> tuple[float, float]:
 
 
 def write_spec(folder: Path, warmup: int) -> Path:
-    from hfscale.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
     from hfscale.strategy import Strategy
+    from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 
     config = dict(
         vocab_size=VOCAB,

@@ -2,9 +2,9 @@
 identical trial faster or slower, and the share of true 15% differences found, at 2, 3 and 5 runs a trial.
 
 Each simulated sweep has a baseline, five trials identical to it and one 15% slower, with the timing noise of
-:class:`hfscale.simulate.NoiseModel` (run-level offsets, AR(1) steps). The method the report uses
-(:meth:`hfscale.stats.SweepNoise.against`) is judged beside 0.3's method, re-implemented here only to show what it
-did: a percentile bootstrap of each pair's ratio of mean step times, resampling runs and then steps, with no
+:class:`hfscale.results.simulate.NoiseModel` (run-level offsets, AR(1) steps). The method the report uses
+(:meth:`hfscale.results.stats.SweepNoise.against`) is judged beside 0.3's method, re-implemented here only to show what
+it did: a percentile bootstrap of each pair's ratio of mean step times, resampling runs and then steps, with no
 adjustment for the many comparisons of a sweep.
 
     python benchmarks/calibration.py                     # this machine's noise (docs/statistics.md)
@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 
-from hfscale.simulate import NoiseModel, calibrate, step_times
+from hfscale.results.simulate import NoiseModel, calibrate, step_times
 
 TRIALS = {"base": 1.0, **{f"same-{k}": 1.0 for k in range(1, 6)}, "slow": 1 / 1.15}
 

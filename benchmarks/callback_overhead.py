@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from hfscale.data import make_classification_dataset
+    from hfscale.workload.data import make_classification_dataset
 
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")

@@ -22,8 +22,8 @@ _EXPORTS = {
     "DeepSpeedSpec": "hfscale.strategy",
     "FsdpSpec": "hfscale.strategy",
     "StrategyError": "hfscale.strategy",
-    "make_classification_dataset": "hfscale.data",
-    "make_causal_lm_dataset": "hfscale.data",
+    "make_classification_dataset": "hfscale.workload.data",
+    "make_causal_lm_dataset": "hfscale.workload.data",
     "load_run": "hfscale.report",
     "compare_runs": "hfscale.report",
 }

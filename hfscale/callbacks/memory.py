@@ -10,8 +10,9 @@ import os
 from typing import Any
 
 from hfscale.callbacks.base import _all_gather, _rank_and_world, _SummaryCallback, _write_json
-from hfscale.measurements import MEMORY_PHASES, MemorySummary, RankMemory, max_present
-from hfscale.memory import GIB, MemoryProbe, probe_for
+from hfscale.core.units import GIB
+from hfscale.measure.memory import MemoryProbe, probe_for
+from hfscale.records.measurements import MEMORY_PHASES, MemorySummary, RankMemory, max_present
 
 logger = logging.getLogger(__name__)
 

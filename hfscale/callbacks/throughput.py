@@ -8,7 +8,7 @@ from typing import Any
 
 from hfscale.callbacks.base import _all_gather, _batch_counts, _rank_and_world, _SummaryCallback, _write_json
 from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
-from hfscale.flops import (
+from hfscale.measure.flops import (
     GradientFlowProbe,
     compute_dtype,
     matmul_parameters,
@@ -17,9 +17,9 @@ from hfscale.flops import (
     peak_flops_per_s,
     transformer_flops_per_token,
 )
-from hfscale.measurements import ThroughputSummary
-from hfscale.mesh import shared_batch
-from hfscale.verify import LinearDtypeProbe
+from hfscale.measure.verify import LinearDtypeProbe
+from hfscale.records.measurements import ThroughputSummary
+from hfscale.techniques.mesh import shared_batch
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,12 @@ class ThroughputCallback(_SummaryCallback):
 
     Across ranks, each step's time is the slowest rank's, and samples and tokens are summed over ranks.
     MFU = tokens/s x FLOPs per token / (peak FLOP/s x world size), with FLOPs per token from
-    :mod:`hfscale.flops` (``6 * N + 12 * L * H * T``, PaLM appendix B; N without embedding tables, the output head
-    counted, tied or not; ``H`` query heads x head dimension; activation recomputation is not useful work and is
+    :mod:`hfscale.measure.flops` (``6 * N + 12 * L * H * T``, PaLM appendix B; N without embedding tables, the output
+    head counted, tied or not; ``H`` query heads x head dimension; activation recomputation is not useful work and is
     not counted; the whole model's N under FSDP1, counted on a meta-device copy, not this rank's shard; for a
     partly frozen model (LoRA) the work its first training forward showed needs no gradient is taken off,
-    :class:`hfscale.flops.GradientFlowProbe`) and the peak from
-    :data:`hfscale.flops.DEVICE_PEAK_FLOPS` for the device name and the compute dtype (bf16/fp16/tf32/fp32): the
+    :class:`hfscale.measure.flops.GradientFlowProbe`) and the peak from
+    :data:`hfscale.measure.flops.DEVICE_PEAK_FLOPS` for the device name and the compute dtype (bf16/fp16/tf32/fp32): the
     dtype an ``nn.Linear`` really produced in the first training forward, so a model loaded in bf16 without
     ``args.bf16`` is divided by the bf16 peak. On CPU the peak is unknown: MFU is None unless ``peak_flops`` is
     given.
@@ -247,7 +247,8 @@ class ThroughputCallback(_SummaryCallback):
     def _summarise(self, args: Any, rows: list[dict[str, Any]], world: int) -> ThroughputSummary:
         n = min(len(r["durations"]) for r in rows)
         step_s = [max(r["durations"][k] for r in rows) for k in range(n)]
-        # Ranks of one tensor/context/sequence-parallel group see the same samples (hfscale.mesh.shared_batch).
+        # Ranks of one tensor/context/sequence-parallel group see the same samples
+        # (hfscale.techniques.mesh.shared_batch).
         samples_shared, tokens_shared = shared_batch()
         samples = [sum(r["samples"][k] for r in rows) // samples_shared for k in range(n)]
         tokens = [sum(r["tokens"][k] for r in rows) // tokens_shared for k in range(n)]

@@ -7,10 +7,10 @@ import os
 from typing import Any, Literal, get_args
 
 from hfscale.callbacks.base import _all_gather, _batch_counts, _TrainerBoundCallback, _write_json
-from hfscale.kernels import AttentionProbe
-from hfscale.mesh import shared_batch
+from hfscale.measure.verify import LinearDtypeProbe, VerificationRecord
 from hfscale.strategy import Strategy
-from hfscale.verify import LinearDtypeProbe, VerificationRecord
+from hfscale.techniques.kernels import AttentionProbe
+from hfscale.techniques.mesh import shared_batch
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +22,15 @@ class VerificationCallback(_TrainerBoundCallback):
 
     Many misconfigurations raise nothing (FSDP on CPU runs as DDP, fp16 on CPU stays fp32, a ZeRO stage or an
     8-bit optimizer that never took effect), so the exit code of a run proves little. This callback reads what
-    runs from the objects that train (:func:`hfscale.verify.collect`: distributed type, wrapper, ZeRO stage and
+    runs from the objects that train (:func:`hfscale.measure.verify.collect`: distributed type, wrapper, ZeRO stage and
     offload, parameters held per rank, the dtype an ``nn.Linear`` produced in the first forward, the optimizer and
     its state dtypes, checkpointing, and the samples of the first optimizer step counted in the batches across
-    ranks) and compares it with the strategy (:func:`hfscale.verify.check`). The end of the first step is the
+    ranks) and compares it with the strategy (:func:`hfscale.measure.verify.check`). The end of the first step is the
     earliest point where all of it exists: the model is wrapped at train begin, the compute dtype shows in the first
     forward, and optimizer states are created by the first step. A run too short to reach it is checked at train
     end.
 
-    On a mismatch it raises :class:`hfscale.verify.VerificationError` (``on_mismatch="raise"``, the default: the
+    On a mismatch it raises :class:`hfscale.measure.verify.VerificationError` (``on_mismatch="raise"``, the default: the
     run stops) or logs a warning and trains on (``"warn"``). Either way the record is logged once through
     ``Trainer.log`` (``log_history`` and every ``report_to`` integration) and, with ``output_path``, written as JSON
     by the main process (``{"ok", "strategy", "mismatches", "record"}``); after the check ``record`` and
@@ -40,7 +40,7 @@ class VerificationCallback(_TrainerBoundCallback):
     held and the mismatches, so every rank stops or goes on together), which falls in the second timed step of a
     :class:`ThroughputCallback` (a warm-up step unless ``warmup_steps`` < 2). Every rank must have this callback.
 
-    Logged keys (``verify/`` + every field of :class:`hfscale.verify.VerificationRecord` that was read, flags as
+    Logged keys (``verify/`` + every field of :class:`hfscale.measure.verify.VerificationRecord` that was read, flags as
     0/1 and lists joined with commas):
 
     ============================ ==================================================================================
@@ -125,7 +125,7 @@ class VerificationCallback(_TrainerBoundCallback):
     # -- the check ---------------------------------------------------------------------------------------------
 
     def _count_parameters(self, model: Any) -> None:
-        from hfscale.verify import count_parameters
+        from hfscale.measure.verify import count_parameters
 
         if self._params_total is None:
             self._params_total, _ = count_parameters(model)
@@ -146,7 +146,7 @@ class VerificationCallback(_TrainerBoundCallback):
             self._attention_probe.remove()
 
     def _verify(self, state: Any, control: Any) -> None:
-        from hfscale.verify import VerificationError, check, collect
+        from hfscale.measure.verify import VerificationError, check, collect
 
         self._finished = True
         self._remove_hooks()

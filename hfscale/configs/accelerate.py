@@ -17,7 +17,7 @@ DataParallel    ``NO`` (``num_processes: 1``)                    one plain proce
 
 A device mesh (``strategy.parallelism``) is written as the ``parallelism_config`` section only with FSDP2: accelerate
 1.15's launcher refuses that section otherwise, and the Trainer takes it as ``TrainingArguments.parallelism_config``
-(:mod:`hfscale.mesh`).
+(:mod:`hfscale.techniques.mesh`).
 
 On a CPU-only machine ``MULTI_GPU`` is what starts N real ranks (gloo DDP once ``TrainingArguments.use_cpu`` is
 set); ``MULTI_CPU`` / ``--cpu`` means mpirun and without it starts a single process. So ``use_cpu`` here is only
@@ -30,8 +30,9 @@ import sys
 from typing import Any
 
 from hfscale.configs.fsdp import fsdp_plugin_kwargs, parallelism_config
-from hfscale.mesh import accelerate_section
 from hfscale.strategy import Strategy
+
+pass
 
 
 def _distributed_type(strategy: Strategy) -> str:
@@ -177,7 +178,7 @@ def launch_command(
 def visible_devices(strategy: Strategy, devices: tuple[str, ...]) -> dict[str, str]:
     """The environment that makes a ``data_parallel: dp`` trial's one process see exactly its GPUs: the Trainer
     wraps the model in ``nn.DataParallel`` over every GPU it sees (``torch.cuda.device_count()``), so without it a
-    machine's other GPUs would join. ``devices`` are the lock names :func:`hfscale.device_lock.trial_devices`
+    machine's other GPUs would join. ``devices`` are the lock names :func:`hfscale.launch.device_lock.trial_devices`
     picked (``cuda0``, ``cuda<UUID>``). Empty for every other strategy (each rank picks its GPU by local rank).
     Fewer devices than asked are passed as they are: the verification then sees the smaller batch that ran.
     """
@@ -197,3 +198,22 @@ def user_command(strategy: Strategy, config_file: str, script: str = "your_scrip
 
 
 __all__ = ["accelerate_config", "launch_command", "user_command", "visible_devices"]
+
+
+def accelerate_section(strategy: Strategy) -> dict[str, Any]:
+    """The accelerate YAML ``parallelism_config`` section (the keys ``accelerate launch`` reads, named as its
+    ``--parallelism_config_*`` options), or empty where the YAML cannot carry the mesh: ``accelerate launch`` 1.15
+    refuses it without FSDP2, so DDP + tensor parallel and DeepSpeed + sequence parallel take it through
+    ``TrainingArguments`` only (:func:`parallelism_config`)."""
+    p = strategy.parallelism
+    if p is None or strategy.fsdp is None or strategy.fsdp.version != 2:
+        return {}
+    section: dict[str, Any] = {
+        "parallelism_config_dp_replicate_size": p.dp_replicate,
+        "parallelism_config_dp_shard_size": p.dp_shard,
+        "parallelism_config_tp_size": p.tp,
+        "parallelism_config_cp_size": p.cp,
+    }
+    if p.cp > 1:
+        section["parallelism_config_cp_backend"] = "torch"
+    return section

@@ -66,7 +66,7 @@ def activation_checkpointing(strategy: Strategy) -> dict[str, Any]:
 
     DeepSpeed reads it only through ``deepspeed.checkpointing.configure``, and a Hugging Face model checkpoints
     with ``torch.utils.checkpoint``: the section takes effect only where the model's checkpoint function is
-    replaced (``hfscale.activation_offload.use_deepspeed_checkpointing``, which reads it from this JSON).
+    replaced (``hfscale.techniques.activation_offload.use_deepspeed_checkpointing``, which reads it from this JSON).
     ``contiguous_memory_optimization`` stays off: it needs the number of checkpoints in advance and partitioned
     activations.
     """

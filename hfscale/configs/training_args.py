@@ -77,7 +77,7 @@ def training_args_kwargs(
 
 def _kernel_training_args(strategy: Strategy) -> dict[str, Any]:
     """``torch_compile*``, ``tf32`` and ``use_liger_kernel``; the attention implementation goes to the model
-    (:func:`hfscale.model.build_model`), not to ``TrainingArguments``."""
+    (:func:`hfscale.workload.model.build_model`), not to ``TrainingArguments``."""
     kwargs: dict[str, Any] = {}
     if strategy.torch_compile is not None:
         kwargs |= {

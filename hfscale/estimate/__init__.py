@@ -11,25 +11,23 @@ so a result row can carry a :class:`MemoryEstimate` cheaply.
 - :mod:`~hfscale.estimate.states`: weights, gradients and optimizer states per engine (plain/DDP, ZeRO, FSDP)
 - :mod:`~hfscale.estimate.peak`: the parts added into the peak (:func:`estimate_memory`)
 - :mod:`~hfscale.estimate.fit`: whether it fits a budget (:func:`predict_fit`)
-- :mod:`~hfscale.estimate.result`: :class:`MemoryEstimate`
-- :mod:`~hfscale.estimate.cli`: ``hfscale estimate``
+- :mod:`~hfscale.records.estimate`: :class:`MemoryEstimate`
+- :mod:`~hfscale.commands.estimate`: ``hfscale estimate``
 """
 
 from __future__ import annotations
 
 from hfscale.estimate.activations import ActivationBytes, activation_bytes
-from hfscale.estimate.cli import default_strategies, format_table, main
 from hfscale.estimate.fit import CUDA_CONTEXT_BYTES, FitPrediction, default_reserve_bytes, predict_fit, predicted_to_fit
 from hfscale.estimate.optimizer import optimizer_state_bytes
-from hfscale.estimate.peak import CUBLAS_WORKSPACES_BYTES, estimate_memory
-from hfscale.estimate.result import GIB, MemoryEstimate
+from hfscale.estimate.peak import CUBLAS_WORKSPACES_BYTES, estimate_memory, model_states
 from hfscale.estimate.shape import ModelShape, ParamInfo, describe_model, model_shape_from_module
-from hfscale.estimate.states import ModelStates, model_states
+from hfscale.estimate.states import ModelStates
+from hfscale.records.estimate import MemoryEstimate
 
 __all__ = [
     "CUBLAS_WORKSPACES_BYTES",
     "CUDA_CONTEXT_BYTES",
-    "GIB",
     "ActivationBytes",
     "FitPrediction",
     "MemoryEstimate",
@@ -38,11 +36,8 @@ __all__ = [
     "ParamInfo",
     "activation_bytes",
     "default_reserve_bytes",
-    "default_strategies",
     "describe_model",
     "estimate_memory",
-    "format_table",
-    "main",
     "model_shape_from_module",
     "model_states",
     "optimizer_state_bytes",

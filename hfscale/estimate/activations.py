@@ -47,7 +47,8 @@ def activation_bytes(
 
     Args:
         half_module: the whole module is cast to 16 bits (DeepSpeed bf16/fp16): no autocast, half residual stream.
-        activation_offload: saved tensors go to host memory in forward (hfscale.activation_offload); on CUDA one
+        activation_offload: saved tensors go to host memory in forward (hfscale.techniques.activation_offload); on CUDA
+        one
             layer's are back on the device at a time in backward. On the CPU it changes nothing.
 
     Raises:

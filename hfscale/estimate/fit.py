@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hfscale.core.units import GIB
 from hfscale.estimate.peak import estimate_memory
-from hfscale.estimate.result import GIB, MemoryEstimate
-from hfscale.spec import TrialSpec
+from hfscale.records.estimate import MemoryEstimate
+from hfscale.workload.spec import TrialSpec
 
 CUDA_CONTEXT_BYTES = 1343 * 1024**2
 """Assumed, not measured: the CUDA context outside torch's allocator, 1343 MB after CUDA initialisation alone on a

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from hfscale.core.units import GIB
 from hfscale.estimate.activations import activation_bytes
+from hfscale.estimate.lora import SHARDED_LORA_NOTE, lora_states, trainable_shape
 from hfscale.estimate.optimizer import optimizer_state_bytes, optimizer_step_temp_bytes, sgd_momentum
-from hfscale.estimate.result import GIB, MemoryEstimate
 from hfscale.estimate.shape import ModelShape, describe_model, model_shape_from_module
-from hfscale.estimate.states import model_states
-from hfscale.lora import trainable_shape
-from hfscale.spec import DataSpec, ModelSpec, TrialSpec
+from hfscale.estimate.states import ModelStates, deepspeed_states, fsdp_states, plain_states
+from hfscale.records.estimate import MemoryEstimate
 from hfscale.strategy import Strategy
+from hfscale.workload.spec import DataSpec, ModelSpec, TrialSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,8 +37,9 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Predict the peak memory of one process for a trial, or for a model under a strategy.
 
-    Call it with a :class:`~hfscale.spec.TrialSpec` (everything comes from it), or with a model (a
-    :class:`~hfscale.spec.ModelSpec`, a :class:`ModelShape` or a built ``nn.Module``), a strategy and ``seq_len``.
+    Call it with a :class:`~hfscale.workload.spec.TrialSpec` (everything comes from it), or with a model (a
+    :class:`~hfscale.workload.spec.ModelSpec`, a :class:`ModelShape` or a built ``nn.Module``), a strategy and
+    ``seq_len``.
 
     Raises:
         ValueError: when the strategy or the sequence length is missing, or the optimizer is not modelled.
@@ -64,7 +66,8 @@ def estimate_memory(
 
 def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_args: dict[str, Any]) -> MemoryEstimate:
     if strategy.attn_implementation is not None and strategy.attn_implementation != shape.attn_implementation:
-        # the trial builds the model with the strategy's kernel (hfscale.model.build_model): eager keeps s² scores
+        # the trial builds the model with the strategy's kernel (hfscale.workload.model.build_model): eager keeps s²
+        # scores
         shape = dataclasses.replace(shape, attn_implementation=strategy.attn_implementation)
     n = shape.num_params
     device = strategy.device
@@ -145,4 +148,37 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
     )
 
 
-__all__ = ["CUBLAS_WORKSPACES_BYTES", "estimate_memory"]
+def model_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int) -> ModelStates:
+    """The model states of one process under the strategy's engine.
+
+    Args:
+        optimizer_bytes: the optimizer's states for the whole, unsharded model (:func:`optimizer_state_bytes`).
+    """
+    if strategy.deepspeed is not None:
+        states = deepspeed_states(shape, strategy, strategy.deepspeed, optimizer_bytes=optimizer_bytes)
+    elif strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard":
+        states = fsdp_states(shape, strategy, strategy.fsdp, optimizer_bytes=optimizer_bytes)
+    elif strategy.lora is not None:  # adapters on a frozen (QLoRA: 4-bit) base
+        states = lora_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+    else:
+        states = plain_states(shape, strategy, optimizer_bytes=optimizer_bytes)
+    sharded_engine = strategy.deepspeed is not None or (
+        strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard"
+    )
+    if strategy.lora is not None and sharded_engine:  # these engines' LoRA states are not modelled
+        states = dataclasses.replace(states, notes=(*states.notes, SHARDED_LORA_NOTE))
+    mesh = strategy.parallelism
+    if mesh is not None and (mesh.tp > 1 or mesh.cp > 1 or mesh.sp > 1):
+        # not modelled: counting the states whole over tp and the sequence whole over cp/sp over-estimates
+        states = dataclasses.replace(
+            states,
+            notes=(
+                *states.notes,
+                "tensor/context/sequence parallel splits are not modelled: weights of the tensor-parallel plan "
+                "and activations are counted whole on each device (an over-estimate)",
+            ),
+        )
+    return states
+
+
+__all__ = ["CUBLAS_WORKSPACES_BYTES", "estimate_memory", "model_states"]

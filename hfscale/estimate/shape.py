@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from hfscale.model import build_meta_model
-from hfscale.spec import DataSpec, ModelSpec
+from hfscale.workload.model import build_meta_model
+from hfscale.workload.spec import DataSpec, ModelSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -163,8 +163,8 @@ def model_shape_from_module(
 def describe_model(model: ModelSpec, data: DataSpec | None = None) -> ModelShape:
     """Build the model of a :class:`ModelSpec` on the meta device and read its :class:`ModelShape`.
 
-    The config is built as the trial builds it (:func:`hfscale.model.build_config`): ``AutoConfig.for_model`` with the
-    overrides, ``num_labels`` from the data for classification; a ``pretrained`` name reads only its config.
+    The config is built as the trial builds it (:func:`hfscale.workload.model.build_config`): ``AutoConfig.for_model``
+    with the overrides, ``num_labels`` from the data for classification; a ``pretrained`` name reads only its config.
 
     Raises:
         ValueError: when transformers does not know the model type or refuses the overrides.

@@ -8,11 +8,9 @@ sources (DeepSpeed's own estimators, the transformers "model training anatomy" p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from hfscale.estimate.shape import ModelShape
-from hfscale.lora import SHARDED_LORA_NOTE, lora_states
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
 
 
@@ -44,39 +42,6 @@ def shard_group(strategy: Strategy) -> int:
     machine, replicated across machines), one for FSDP's ``no_shard``; under an explicit device mesh
     (``strategy.parallelism``) FSDP2 shards over ``dp_shard x cp`` and replicates over ``dp_replicate``."""
     return strategy.shard_group_size
-
-
-def model_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int) -> ModelStates:
-    """The model states of one process under the strategy's engine.
-
-    Args:
-        optimizer_bytes: the optimizer's states for the whole, unsharded model (:func:`optimizer_state_bytes`).
-    """
-    if strategy.deepspeed is not None:
-        states = deepspeed_states(shape, strategy, strategy.deepspeed, optimizer_bytes=optimizer_bytes)
-    elif strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard":
-        states = fsdp_states(shape, strategy, strategy.fsdp, optimizer_bytes=optimizer_bytes)
-    elif strategy.lora is not None:  # adapters on a frozen (QLoRA: 4-bit) base
-        states = lora_states(shape, strategy, optimizer_bytes=optimizer_bytes)
-    else:
-        states = plain_states(shape, strategy, optimizer_bytes=optimizer_bytes)
-    sharded_engine = strategy.deepspeed is not None or (
-        strategy.fsdp is not None and strategy.fsdp.sharding != "no_shard"
-    )
-    if strategy.lora is not None and sharded_engine:  # these engines' LoRA states are not modelled
-        states = dataclasses.replace(states, notes=(*states.notes, SHARDED_LORA_NOTE))
-    mesh = strategy.parallelism
-    if mesh is not None and (mesh.tp > 1 or mesh.cp > 1 or mesh.sp > 1):
-        # not modelled: counting the states whole over tp and the sequence whole over cp/sp over-estimates
-        states = dataclasses.replace(
-            states,
-            notes=(
-                *states.notes,
-                "tensor/context/sequence parallel splits are not modelled: weights of the tensor-parallel plan "
-                "and activations are counted whole on each device (an over-estimate)",
-            ),
-        )
-    return states
 
 
 def plain_states(shape: ModelShape, strategy: Strategy, *, optimizer_bytes: int) -> ModelStates:
@@ -176,4 +141,4 @@ def fsdp_states(shape: ModelShape, strategy: Strategy, fsdp: FsdpSpec, *, optimi
     )
 
 
-__all__ = ["ModelStates", "deepspeed_states", "fsdp_states", "model_states", "plain_states", "shard_group"]
+__all__ = ["ModelStates", "deepspeed_states", "fsdp_states", "plain_states", "shard_group"]

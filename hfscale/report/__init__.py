@@ -13,7 +13,7 @@ The floors of the package: ``analysis`` (typed rows -> the table, with ``breakdo
 
 from __future__ import annotations
 
-from hfscale.memory import parse_memory_size
+from hfscale.core.units import parse_memory_size
 from hfscale.report.analysis import (
     ReportError,
     Summary,
@@ -24,7 +24,6 @@ from hfscale.report.analysis import (
     with_parity,
 )
 from hfscale.report.breakdown import MemoryBreakdown
-from hfscale.report.cli import compare_main, main
 from hfscale.report.compare import compare_runs, write_comparison
 from hfscale.report.machine import env_header, format_bytes
 from hfscale.report.recommend import Recommendation, pareto_front
@@ -36,12 +35,10 @@ __all__ = [
     "ReportError",
     "ReportPaths",
     "Summary",
-    "compare_main",
     "compare_runs",
     "env_header",
     "format_bytes",
     "load_run",
-    "main",
     "pareto_front",
     "parse_memory_size",
     "resolve_baseline",

@@ -2,6 +2,6 @@
 
 import sys
 
-from hfscale.report.cli import main
+from hfscale.commands.report import main
 
 sys.exit(main())

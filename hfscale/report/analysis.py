@@ -1,6 +1,6 @@
 """The comparison table of a run, built with pandas from typed rows: one row per trial, units in the column names.
 
-A run's rows (:class:`~hfscale.results.TrialResult`, one per trial run) become one table row per trial
+A run's rows (:class:`~hfscale.records.row.TrialResult`, one per trial run) become one table row per trial
 (``hfscale.report.trials``): the repeats of a trial (``measure.repeats``) are grouped, their times are the median of
 the runs that finished ok (``runs`` counts them all; ``samples_per_s_values`` keeps each run's figure), and their
 memory is the run with the largest peak (a budget must hold for every run). Samples/s and tokens/s are the
@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hfscale.batch_search import BatchSearchRecord
-from hfscale.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
+from hfscale.core.units import GIB
+from hfscale.records.batch import BatchSearchRecord
+from hfscale.records.row import TrialResult
 from hfscale.report.coverage import Coverage, coverage
-from hfscale.report.machine import GIB
 from hfscale.report.noise import NOISE_KEYS, against, sweep_columns, trial_noise
 from hfscale.report.ranks import rank_memory_records
 from hfscale.report.recommend import Recommendation, pareto_front, recommend
 from hfscale.report.trials import MEDIANS, describe, group_rows, record_keys, run_record, trial_record
-from hfscale.results import TrialResult
-from hfscale.run_folder import RESULTS_FILE, RunFolder
-from hfscale.stats import SweepNoise, sweep_noise
+from hfscale.results.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
+from hfscale.results.run_folder import RESULTS_FILE, RunFolder
+from hfscale.results.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,12 +43,12 @@ class ReportError(ValueError):
 
 def with_parity(rows: Sequence[TrialResult]) -> list[TrialResult]:
     """Copies of the rows, each ``ok`` row without a parity record given the loss check against the baseline
-    (:func:`hfscale.parity.annotate_rows`, its default tolerance); a row that carries one keeps it.
+    (:func:`hfscale.results.parity.annotate_rows`, its default tolerance); a row that carries one keeps it.
 
     Parity is derived from the loss curves the rows hold, so a report of any run folder (a resumed one, an older
     one) shows it while ``results.jsonl`` stays as the sweep appended it.
     """
-    from hfscale.parity import annotate_rows
+    from hfscale.results.parity import annotate_rows
 
     copies = [dataclasses.replace(r) for r in rows]
     if all(r.parity is not None for r in copies if r.status == "ok"):
@@ -64,7 +64,7 @@ def with_parity(rows: Sequence[TrialResult]) -> list[TrialResult]:
 def resolve_baseline(rows: Sequence[TrialResult]) -> tuple[TrialResult | None, str]:
     """The row every comparison is against, and a sentence saying which and why.
 
-    The rule of the loss check (:func:`hfscale.parity.annotate_rows`): the first ``ok`` row marked
+    The rule of the loss check (:func:`hfscale.results.parity.annotate_rows`): the first ``ok`` row marked
     ``is_baseline``; when rows are marked but none finished ok, none; when no row is marked, the first ``ok`` row.
     """
     ok = [r for r in rows if r.status == "ok"]
@@ -135,7 +135,7 @@ def summarize(
     """The comparison table, baseline, Pareto front and recommendation of a run's rows.
 
     Without ``memory_budget_bytes`` the budget is the GPU memory ``environment.json`` records
-    (:func:`hfscale.environment.gpu_memory_bytes`), else there is none and the recommendation says so. With
+    (:func:`hfscale.results.environment.gpu_memory_bytes`), else there is none and the recommendation says so. With
     ``price_per_hour`` (one device for an hour, any currency) the table has ``cost_per_m_tokens``. With
     ``machines`` (each machine's record of a multi-machine run) the budget is the smallest GPU of any machine.
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hfscale.results import TrialResult
+from hfscale.records.row import TrialResult
 
 SKIPPED_STEP_GIB = 2**-10
 """Below this growth (1 MiB) an fp16 optimizer phase that should create states is taken as a skipped step."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfscale.report.columns import Column, fmt, interval_cell, speedup_cell
 from hfscale.report.noise import speed_tie
-from hfscale.stats import SweepNoise
+from hfscale.results.stats import SweepNoise
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hfscale.core.text import short as one_line
+
 Align = Literal["left", "right"]
 
 
@@ -37,9 +39,8 @@ def fmt(value: Any, digits: int | None = None) -> str:
 
 
 def short(text: Any, limit: int = 90) -> str:
-    """One line, cut at ``limit`` characters with an ellipsis."""
-    line = " ".join(("" if is_missing(text) else str(text)).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    """One line, cut at ``limit`` characters with an ellipsis; a missing value (None, NaN) is empty."""
+    return one_line("" if is_missing(text) else str(text), limit)
 
 
 Row = Mapping[str, Any]

@@ -19,7 +19,7 @@ from hfscale.report.model import Figure, Report, Section, Table, records
 from hfscale.report.noise import speed_verdict
 from hfscale.report.text import plain
 from hfscale.report.write import ReportPaths, write_files
-from hfscale.stats import Comparison, SweepNoise, sidak_critical, sweep_noise
+from hfscale.results.stats import Comparison, SweepNoise, sidak_critical, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfscale.batch_search import max_batch_base
-from hfscale.run_folder import STDERR_FILE, STDOUT_FILE, RunFolder
+from hfscale.records.batch import max_batch_base
+from hfscale.results.run_folder import STDERR_FILE, STDOUT_FILE, RunFolder
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def progress(trial_dir: Path) -> str:
 def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
     """The run's coverage of its recipe (see :class:`Coverage`)."""
     # The names only: validating the recipe would build each model's config (transformers, torch: seconds).
-    from hfscale.recipe import read_trial_names
+    from hfscale.recipes.recipe import read_trial_names
 
     have = list(dict.fromkeys(row_trials))
     try:

@@ -1,6 +1,6 @@
 """Where a run ran, as the report shows ``environment.json``: the header lines and the full record.
 
-The GPU memory a budget defaults to is read by :func:`hfscale.environment.gpu_memory_bytes`, beside the writer.
+The GPU memory a budget defaults to is read by :func:`hfscale.results.environment.gpu_memory_bytes`, beside the writer.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-GIB = 2**30
+from hfscale.core.units import GIB
 
 
 def format_bytes(size_bytes: int | float) -> str:
@@ -35,7 +35,7 @@ def _gib_text(value: Any) -> str:
 
 
 def env_header(environment: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The few lines that say where a run ran, from the keys ``hfscale.environment`` writes: machine, GPUs,
+    """The few lines that say where a run ran, from the keys ``hfscale.results.environment`` writes: machine, GPUs,
     driver and CUDA, library versions, Python, commit, time. Empty when the record has none of those keys."""
     env = environment
     rows: list[tuple[str, str]] = []

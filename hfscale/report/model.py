@@ -16,7 +16,7 @@ from hfscale.report.text import Text, plain, rich
 if TYPE_CHECKING:
     import pandas as pd
 
-    from hfscale.batch_search import BatchSearchRecord
+    from hfscale.records.batch import BatchSearchRecord
     from hfscale.report.analysis import Summary
 
 
@@ -154,7 +154,8 @@ DEFINITIONS = (
 
 
 def _estimate_parity_definitions() -> str:
-    from hfscale.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_NOISE_K, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
+    from hfscale.records.parity import DEFAULT_NOISE_K
+    from hfscale.results.parity import DEFAULT_ABS_TOLERANCE, DEFAULT_REL_TOLERANCE, DEFAULT_WINDOW
 
     return (
         "**predicted peak**: hfscale's estimate of the training peak per device, made before the trial ran "

@@ -4,15 +4,15 @@ flags, energy.
 The unit of replication is the run. Each run that finished ok gives one figure, its steady samples/s (the samples
 of its measured steps over their time); a trial's samples/s is the **geometric mean over its runs**, and its 95%
 interval is a t-interval on the log scale whose standard deviation is the run-to-run noise **pooled over every
-trial of the sweep** (:func:`hfscale.stats.sweep_noise`). A speed-up against the baseline is the ratio of the two
-geometric means with **Dunnett's** simultaneous 95% interval, so that the chance of calling any identical trial
+trial of the sweep** (:func:`hfscale.results.stats.sweep_noise`). A speed-up against the baseline is the ratio of the
+two geometric means with **Dunnett's** simultaneous 95% interval, so that the chance of calling any identical trial
 faster or slower in a whole sweep is 5%; a ratio whose interval holds 1, or that lies within the 2% noise threshold
 of it, is a tie. A difference is called only when both trials ran at least twice and neither is flagged (its
 runs disagree far beyond the sweep's noise); otherwise it is "untested", with the reason.
 
 The noise between steps is a diagnostic of one run, never the interval of a verdict: the step-time CV and the
 batch-means standard error of a run's mean step time. A trial is flagged "may be unstable" (pyperf's words) when
-the machine was busy while it ran (:func:`hfscale.activity.disturbances`) or when its runs disagree beyond the
+the machine was busy while it ran (:func:`hfscale.launch.activity.disturbances`) or when its runs disagree beyond the
 sweep's noise; such a trial gets no verdict and is not recommended on a speed claim.
 """
 
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hfscale import stats
-from hfscale.activity import disturbances
-from hfscale.results import TrialResult
+from hfscale.records.activity import disturbances
+from hfscale.records.row import TrialResult
+from hfscale.results import stats
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -11,7 +11,7 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hfscale.report.machine import GIB
+from hfscale.core.units import GIB
 from hfscale.report.model import Figure
 
 if TYPE_CHECKING:

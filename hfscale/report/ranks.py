@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hfscale.environment import MachineEnvironment
+from hfscale.records.row import TrialResult
 from hfscale.report.columns import Column, fmt
-from hfscale.results import TrialResult
+from hfscale.results.environment import MachineEnvironment
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hfscale.core.units import GIB
 from hfscale.report.columns import is_missing
-from hfscale.report.machine import GIB, format_bytes
+from hfscale.report.machine import format_bytes
 from hfscale.report.noise import memory_tie, speed_tie
 from hfscale.report.text import Text, rich
-from hfscale.stats import SweepNoise, sweep_noise
+from hfscale.results.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hfscale.measurements import MemorySummary
+from hfscale.records.measurements import MemorySummary
+from hfscale.records.row import TrialResult
 from hfscale.report.breakdown import MemoryBreakdown
-from hfscale.results import TrialResult
 
 
 def describe(row: TrialResult) -> str:

@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
     from hfscale.callbacks import MemoryCallback, ThroughputCallback
-    from hfscale.data import make_classification_dataset
-    from hfscale.memory import GIB, cpu_peak_rss_bytes
+    from hfscale.core.units import GIB
+    from hfscale.measure.memory import cpu_peak_rss_bytes
+    from hfscale.workload.data import make_classification_dataset
 
     model = BertForSequenceClassification(BertConfig(**TINY_BERT))
     dataset = make_classification_dataset(opts.batch * opts.steps * 4, opts.seq_len)

@@ -16,12 +16,12 @@ import sys
 cfg, out = sys.argv[1], sys.argv[2]
 # fmt: off
 if "--fsdp2-on-cpu" in sys.argv[3:]:
-    import hfscale.fsdp_cpu; hfscale.fsdp_cpu.enable_fsdp2_on_cpu()  # noqa: E702, I001 - the printed line, verbatim
+    import hfscale.techniques.fsdp_cpu; hfscale.techniques.fsdp_cpu.enable_fsdp2_on_cpu()  # noqa: E702, I001 - the printed line, verbatim
 # fmt: on
 
 from transformers import AutoConfig, AutoModelForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
-from hfscale.data import make_classification_dataset  # noqa: E402
+from hfscale.workload.data import make_classification_dataset  # noqa: E402
 
 args = TrainingArguments(
     output_dir=os.path.join(out, "trainer"),

@@ -1,0 +1,312 @@
+"""What a recipe may say beyond its types: a run folder's name, a model transformers knows with a vocabulary the data
+fits, a batch the data set can fill, measurement counts in range, and which ``TrainingArguments`` keywords a recipe
+may set (the strategy and the runner own the others). Every check raises :class:`hfscale.core.validation.Invalid` at the
+dotted key it is about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from typing import Any, get_args, get_origin
+
+from hfscale.core.validation import Invalid, float_text, join_path
+from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
+
+# TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
+# them (they would be silently overridden), and the message says where they belong instead.
+OWNED_TRAINING_ARGS: dict[str, str] = {
+    "per_device_train_batch_size": "the strategy's per_device_batch_size",
+    "gradient_accumulation_steps": "the strategy's gradient_accumulation_steps",
+    "fp16": "the strategy's precision (fp32, fp16 or bf16)",
+    "bf16": "the strategy's precision (fp32, fp16 or bf16)",
+    "half_precision_backend": "the strategy's precision",
+    "optim": "the strategy's optimizer",
+    "gradient_checkpointing": "the strategy's gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "activation_checkpointing": "the strategy's gradient_checkpointing",
+    "activation_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "deepspeed": "the strategy's deepspeed section",
+    "fsdp": "the strategy's fsdp section",
+    "fsdp_config": "the strategy's fsdp section",
+    "use_cpu": "the recipe's device",
+    "no_cuda": "the recipe's device",
+    "local_rank": "the launcher",
+    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
+    "max_steps": "the recipe's measure.max_steps",
+    "num_train_epochs": "the recipe's measure.num_epochs",
+    "output_dir": "the sweep (each trial writes into its own folder)",
+    "torch_compile": "the strategy's torch_compile section",
+    "torch_compile_backend": "the strategy's torch_compile.backend",
+    "torch_compile_mode": "the strategy's torch_compile.mode",
+    "tf32": "the strategy's tf32",
+    "use_liger_kernel": "the strategy's use_liger_kernel",
+}
+
+# TrainingArguments keywords a recipe may not turn on, and why.
+REFUSED_TRAINING_ARGS: dict[str, str] = {
+    "auto_find_batch_size": (
+        "refused: after an out-of-memory error the Trainer halves the batch and trains again, so the row would be "
+        "measured at a batch other than the strategy's (and the callbacks restart, losing the OOM); search for the "
+        "largest batch that fits with `hfscale sweep --find-max-batch` instead"
+    ),
+}
+
+
+def check_folder_name(name: str, path: str) -> None:
+    """Run folders are named after the recipe: a path (``../../x``, ``/x``) would write outside ``--out-dir``."""
+    if not name or name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+        raise Invalid(
+            path,
+            f"{name!r} is not a plain folder name (it names the run folder under --out-dir): no '/', '\\', and "
+            "not '.' or '..'",
+        )
+
+
+def check_model(model: ModelSpec, data: DataSpec) -> None:
+    """Refuse an unknown ``model.type`` and token ids beyond the vocabulary now, not when the trial runs.
+
+    Builds the config only (:func:`hfscale.workload.model.build_config`, no weights); skipped without transformers, and
+    for a ``pretrained`` name whose config cannot be read here (offline): the trial then says.
+    """
+    try:
+        from hfscale.workload.model import build_config, check_vocabulary
+    except ImportError:
+        return
+    try:
+        config = build_config(model, data)
+    except ImportError:  # transformers is missing: the trial checks it
+        return
+    except OSError:
+        if model.pretrained:
+            return  # a hub name offline: cannot be read here
+        raise
+    except ValueError as exc:
+        if model.pretrained:
+            raise Invalid("model.pretrained", str(exc)) from exc
+        from transformers import CONFIG_MAPPING
+
+        known = sorted(CONFIG_MAPPING.keys())
+        if model.type not in known:
+            close = difflib.get_close_matches(model.type, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise Invalid(
+                "model.type",
+                f"unknown model type {model.type!r}{hint}: expected a transformers model_type (bert, gpt2, llama, ...)",
+            ) from exc
+        raise Invalid("model.config", str(exc)) from exc
+    if not model.pretrained:
+        check_config_keys(model)
+    try:
+        check_vocabulary(config, data)
+    except ValueError as exc:
+        raise Invalid("data.token_high", str(exc)) from exc
+
+
+# Keys transformers 5 still takes and folds into ``rope_parameters`` (configs on the Hub carry them).
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
+
+
+def check_config_keys(model: ModelSpec) -> None:
+    """Refuse a ``model.config`` key the model type's config class does not have.
+
+    transformers keeps any unknown keyword as a plain attribute, so a misspelt ``num_key_value_head`` would build
+    a model with the default number of KV heads and nothing would say so. A key is known when it is a parameter
+    of the config class (or of ``PretrainedConfig``), an alias in its ``attribute_map``, or an attribute of its
+    default instance (``num_labels``).
+
+    Raises:
+        Invalid: at ``model.config.KEY``, naming the config class and the closest valid key.
+    """
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    if model.type not in CONFIG_MAPPING:
+        return
+    cls = CONFIG_MAPPING[model.type]
+    known = {
+        name
+        for klass in (cls, PretrainedConfig)
+        for name, param in inspect.signature(klass.__init__).parameters.items()
+        if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL) and name != "self"
+    }
+    known |= set(getattr(cls, "attribute_map", {})) | _LEGACY_CONFIG_KEYS
+    default = None
+    for key in model.config:
+        if key in known:
+            continue
+        if default is None:
+            default = cls()
+        if hasattr(default, key):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise Invalid(
+            join_path("model.config", key),
+            f"{cls.__name__} has no key {key!r}{hint}; transformers would keep it as an unused attribute",
+        )
+
+
+def check_liger(strategy: Any, model: ModelSpec, path: str) -> None:
+    """Refuse ``use_liger_kernel`` for a model type Liger does not patch (:mod:`hfscale.techniques.kernels`): it would
+    log at info level and train the model unpatched."""
+    from hfscale.techniques.kernels import check_liger_model_type
+
+    try:
+        check_liger_model_type(strategy, model.type if not model.pretrained else None)
+    except ValueError as exc:
+        raise Invalid(join_path(path, "use_liger_kernel"), str(exc)) from exc
+
+
+def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
+    """Refuse ``lora`` without ``target_modules`` on a model type peft has no default targets for
+    (:func:`hfscale.techniques.lora.default_target_modules`): the trial would stop at its start. Skipped without peft
+    (the trial names the extra) and for a ``pretrained`` model (its type is only known from its config)."""
+    lora = getattr(strategy, "lora", None)
+    if lora is None or lora.target_modules is not None or model.pretrained:
+        return
+    from hfscale.techniques.lora import default_target_modules
+
+    try:
+        default_target_modules(model.type)
+    except ImportError:
+        return
+    except ValueError as exc:
+        raise Invalid(join_path(join_path(path, "lora"), "target_modules"), str(exc)) from exc
+
+
+def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
+    """Refuse a mesh accelerate would refuse (tensor or context parallel beside replicas alone), and
+    ``parallelism.tp > 1`` for a model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial
+    that asks for it (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one).
+    Skipped where the config cannot be built here: :func:`check_model` has said why, or the trial will."""
+    from hfscale.techniques.mesh import parallelism_config, tensor_parallel, tp_plan_problem
+
+    if strategy.parallelism is not None:
+        try:  # what accelerate refuses in the sizes (tp or cp beside replicas alone), said now
+            parallelism_config(strategy)
+        except ImportError:
+            pass
+        except ValueError as exc:
+            raise Invalid(join_path(path, "parallelism"), f"accelerate refuses this mesh: {exc}") from exc
+    if not tensor_parallel(strategy):
+        return
+    try:
+        from hfscale.workload.model import build_config
+
+        config = build_config(model, data)
+    except (ImportError, OSError, ValueError):
+        return
+    problem = tp_plan_problem(config, strategy)
+    if problem is not None:
+        raise Invalid(join_path(join_path(path, "parallelism"), "tp"), problem)
+
+
+def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
+    """Refuse a trial whose one optimizer step takes more samples than ``data.num_samples`` holds.
+
+    The Trainer does not refuse it: it trains on the samples there are, so the steps run a smaller batch than the
+    strategy asks, and the trial is launched only to end ``not_applied`` (issue 28: 16 samples ran, 64 were asked
+    for). One step takes :attr:`~hfscale.strategy.Strategy.global_batch_size` samples: the per-device batch times
+    the accumulation steps times the data-parallel replicas (every process, less the ranks of one tensor, context
+    or sequence parallel group, which share their batch), as the verification counts them.
+
+    Raises:
+        Invalid: at ``PATH.per_device_batch_size``, naming the product and ``data.num_samples``.
+    """
+    need = strategy.global_batch_size
+    if data.num_samples >= need:
+        return
+    replicas = need // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)
+    raise Invalid(
+        join_path(path, "per_device_batch_size"),
+        f"one optimizer step takes {need} samples (batch {strategy.per_device_batch_size} x accumulation "
+        f"{strategy.gradient_accumulation_steps} x {replicas} data-parallel replica(s)), more than data.num_samples "
+        f"{data.num_samples}: the steps would train on smaller batches than asked; lower the batch or set "
+        f"data.num_samples to {need} or more",
+    )
+
+
+def check_measure(measure: MeasureSpec, path: str) -> None:
+    """Range checks for :class:`~hfscale.workload.spec.MeasureSpec` (the dataclass itself only holds the values)."""
+    if measure.warmup_steps < 0:
+        raise Invalid(join_path(path, "warmup_steps"), f"expected 0 or more, got {measure.warmup_steps}")
+    if measure.max_steps is not None and measure.max_steps < 1:
+        raise Invalid(join_path(path, "max_steps"), f"expected a positive integer or null, got {measure.max_steps}")
+    if measure.num_epochs <= 0:
+        raise Invalid(join_path(path, "num_epochs"), f"expected a positive number, got {measure.num_epochs}")
+    if measure.repeats < 1:
+        raise Invalid(join_path(path, "repeats"), f"expected a positive integer, got {measure.repeats}")
+    if measure.timeout_s <= 0:
+        raise Invalid(join_path(path, "timeout_s"), f"expected a positive number of seconds, got {measure.timeout_s}")
+    if measure.target_precision is not None and not 0 < measure.target_precision < 1:
+        raise Invalid(
+            join_path(path, "target_precision"),
+            f"expected a fraction between 0 and 1 (0.05 for ± 5%), got {measure.target_precision}",
+        )
+    fewest = max(measure.repeats, SEQUENTIAL_MIN_RUNS)
+    if measure.target_precision is not None and measure.max_repeats < fewest:
+        raise Invalid(
+            join_path(path, "max_repeats"),
+            f"expected at least {fewest} (repeats, and the {SEQUENTIAL_MIN_RUNS} runs a target precision takes "
+            f"before it may stop), got {measure.max_repeats}",
+        )
+    if measure.max_time_s is not None and measure.max_time_s <= 0:
+        raise Invalid(join_path(path, "max_time_s"), f"expected a positive number of seconds, got {measure.max_time_s}")
+
+
+def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
+    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
+    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
+    float."""
+    for key, value in training_args.items():
+        if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
+        if key in REFUSED_TRAINING_ARGS and value:
+            raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
+        if key in OWNED_TRAINING_ARGS:
+            raise Invalid(
+                join_path(path, key),
+                f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
+            )
+    known = _training_args_fields()
+    if known is None:
+        return dict(training_args)
+    out = {}
+    for key, value in training_args.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
+        number = float_text(value)
+        out[key] = number if number is not None and known[key] else value
+    return out
+
+
+def _training_args_fields() -> dict[str, bool] | None:
+    """``TrainingArguments``' field names (-> whether the field takes a float), or None when transformers is not
+    installed (the trial then checks them)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if f.init:
+            tp = f.type
+            out[f.name] = tp is float or (get_origin(tp) in (typing.Union, types.UnionType) and float in get_args(tp))
+    return out
+
+
+__all__ = [
+    "OWNED_TRAINING_ARGS",
+    "REFUSED_TRAINING_ARGS",
+    "check_batch_fits_data",
+    "check_config_keys",
+    "check_folder_name",
+    "check_measure",
+    "check_model",
+    "check_training_args",
+]

@@ -1,0 +1,7 @@
+"""``python -m hfscale.trial SPEC.json --result RESULT.json``: one trial, inside the process group the sweep started."""
+
+import sys
+
+from hfscale.trial.train import main
+
+sys.exit(main())

@@ -1,0 +1,471 @@
+"""One trial: train one model under one strategy, inside the process group that ``accelerate launch`` started.
+
+A trial is described by a :class:`TrialSpec` (written as JSON by the sweep) and run by
+``accelerate launch --config_file ACCELERATE_YAML -m hfscale.trial SPEC.json --result RESULT.json``.
+Every rank trains; the main process writes the result file.
+
+What the runner does, on every rank:
+
+1. reads the spec, and the strategy's ``TrainingArguments`` keywords: ``training_args.json`` next to the spec (as
+   ``hfscale.configs.write_configs`` writes it, the file a user sees is the file that runs), or
+   ``--training-args PATH``, or else ``hfscale.configs.training_args_kwargs(spec.strategy)`` computed here;
+2. seeds everything with the same seed in every trial (``training_args["seed"]``, default 42), so initial weights,
+   data and loss curves are comparable between trials;
+3. builds the model from its config with random weights (``AutoConfig.for_model`` + ``from_config``; ``pretrained``
+   loads real weights) and the dummy data set (:func:`hfscale.workload.data.make_dataset`);
+4. merges ``TrainingArguments``: the recipe's ``spec.training_args`` under the strategy's keywords, under what the
+   runner owns (:data:`RUNNER_TRAINING_ARGS`: a temporary ``output_dir``, no checkpoints, the step or epoch count
+   from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
+   so a multi-process loss is not multiplied by the world size); the loss curve is recorded on the device
+   (:class:`LossRecorder`), not logged every step;
+5. for FSDP with transformer-layer wrapping and no class named, names the model's blocks
+   (:func:`fsdp_block_classes`); on CPU, applies :func:`hfscale.techniques.fsdp_cpu.enable_fsdp2_on_cpu` (accelerate
+   would run DDP instead);
+6. trains with :class:`~hfscale.callbacks.MemoryCallback`, :class:`~hfscale.callbacks.ThroughputCallback` and
+   :class:`~hfscale.callbacks.VerificationCallback` (the one a user adds to a Trainer, in ``warn`` mode: it reads
+   what ran at the end of the first step and checks it against the strategy), bound to the Trainer with
+   :func:`hfscale.callbacks.attach`;
+7. the main process writes a :class:`TrialOutcome` as JSON to ``--result``.
+
+Exit status: 0 when the result was written, with ``status`` ``"ok"`` or ``"not_applied"`` (the strategy did not
+take effect; ``reason`` and ``mismatches`` say how); an exception propagates (non-zero exit, traceback on stderr)
+so that the sweep can classify out-of-memory and crashes from the exit code and stderr. ``2`` is a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hfscale.records.row import TrialOutcome, to_json_text
+from hfscale.techniques.mesh import prepare_trial as prepare_mesh
+from hfscale.workload.model import build_model
+from hfscale.workload.spec import TrialSpec
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedModel, Trainer, TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------------------
+# The result file
+# --------------------------------------------------------------------------------------------------------------
+
+TRAINING_ARGS_FILE = "training_args.json"
+"""Looked for next to the spec when ``--training-args`` is not given (``hfscale.configs.write_configs`` writes it)."""
+
+DEFAULT_SEED = 42
+"""Seed of every trial whose recipe sets none (``TrainingArguments``' own default)."""
+
+RUNNER_TRAINING_ARGS: dict[str, Any] = {
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "average_tokens_across_devices": False,
+}
+"""``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
+keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
+times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
+:class:`LossRecorder`, not by logging every step, which would gather and read the loss on every step."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building the pieces
+# --------------------------------------------------------------------------------------------------------------
+
+
+def strategy_training_args(spec: TrialSpec, *, scratch_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The strategy's ``TrainingArguments`` keywords, computed as ``hfscale.configs`` does for the sweep.
+
+    A DeepSpeed strategy's JSON is written into ``scratch_dir`` (the Trainer reads a file).
+    """
+    from hfscale.configs import deepspeed_config, training_args_kwargs
+
+    ds_path = None
+    ds = deepspeed_config(spec.strategy)
+    if ds is not None:
+        ds_path = Path(scratch_dir) / "deepspeed.json"
+        ds_path.write_text(json.dumps(ds, indent=2, sort_keys=True), encoding="utf-8")
+    return training_args_kwargs(spec.strategy, deepspeed_config_path=str(ds_path) if ds_path else None)
+
+
+def merge_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``TrainingArguments`` keywords of a trial, ``output_dir`` aside: recipe < strategy < runner.
+
+    The recipe's ``spec.training_args`` sit under the strategy's keywords, and :data:`RUNNER_TRAINING_ARGS`, the
+    step count from ``spec.measure`` and the seed sit over both. ``report_to`` is ``"none"`` and ``disable_tqdm``
+    true unless the recipe sets them.
+    """
+    merged: dict[str, Any] = {"report_to": "none", "disable_tqdm": True, "dataloader_num_workers": 0}
+    if spec.strategy.device == "cpu":
+        merged["dataloader_pin_memory"] = False  # pinning needs a CUDA runtime
+    merged |= spec.training_args
+    merged |= strategy_kwargs
+    owned = dict(RUNNER_TRAINING_ARGS)
+    owned["seed"] = int(spec.training_args.get("seed", DEFAULT_SEED))
+    if spec.measure.max_steps is not None:
+        owned |= {"max_steps": spec.measure.max_steps}
+    else:
+        owned |= {"max_steps": -1, "num_train_epochs": spec.measure.num_epochs}
+    for key, value in owned.items():
+        if key in spec.training_args and spec.training_args[key] != value:
+            logger.warning(
+                "training_args.%s=%r is overridden by the trial runner: %r", key, spec.training_args[key], value
+            )
+    merged |= owned
+    merged.pop("output_dir", None)
+    return merged
+
+
+def fsdp_block_classes(model: PreTrainedModel) -> list[str]:
+    """The classes FSDP should wrap one unit each: the model's ``_no_split_modules`` less any that hold the input
+    embedding.
+
+    accelerate's FSDP2 wraps the input embedding as a unit of its own after auto-wrapping, so an auto-wrapped class
+    that contains it (BERT lists ``BertEmbeddings``) makes ``fully_shard`` meet an already sharded parameter and
+    fail ("Invariant encountered: value was None", measured with accelerate 1.15 / torch 2.13).
+    """
+    names = sorted(getattr(model, "_no_split_modules", None) or [])  # a set on transformers 5 instances
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    holders = {
+        type(module).__name__
+        for module in model.modules()
+        if embedding is not None and any(sub is embedding for sub in module.modules())
+    }
+    return [name for name in names if name not in holders]
+
+
+def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
+    """Fill ``fsdp_config.transformer_layer_cls_to_wrap`` when transformer-layer wrapping names no class."""
+    config = kwargs.get("fsdp_config")
+    if not kwargs.get("fsdp") or not isinstance(config, dict):
+        return
+    if config.get("auto_wrap_policy") != "TRANSFORMER_BASED_WRAP" or config.get("transformer_layer_cls_to_wrap"):
+        return
+    blocks = fsdp_block_classes(model)
+    if blocks:
+        kwargs["fsdp_config"] = config | {"transformer_layer_cls_to_wrap": blocks}
+        logger.info("FSDP wraps %s (the model's blocks)", ", ".join(blocks))
+
+
+class LossRecorder:
+    """The training loss of every optimizer step, kept on the device during training and read once at the end.
+
+    With ``logging_steps=1`` the Trainer would gather the loss across ranks and call ``.item()`` on every step: a
+    host-device synchronisation (and an all-gather with several processes) inside every timed step, which a user's
+    Trainer (logging every 500 steps by default) does not pay. Instead :meth:`wrap` keeps what each micro-batch's
+    ``training_step`` returns (exactly what the Trainer adds to the loss it logs) as a detached device tensor, with
+    the optimizer step it belongs to, and :meth:`curve` adds them up per step and averages over ranks, as the
+    Trainer's logged loss does. Two differences, both on purpose: a NaN or inf loss is kept (the Trainer's
+    ``logging_nan_inf_filter`` would log the running average instead; the parity check must see it), and every rank
+    must run the same number of micro-batches (accelerate's default ``even_batches``) for the gather.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._losses: list[Any] = []
+
+    def wrap(self, trainer: Trainer) -> None:
+        """Record every ``training_step`` of ``trainer`` from now on."""
+        inner = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = inner(*args, **kwargs)
+            self._steps.append(trainer.state.global_step)
+            self._losses.append(loss.detach().float().reshape(()))
+            return loss
+
+        trainer.training_step = training_step  # type: ignore[method-assign]
+
+    def curve(self, trainer: Trainer) -> list[float]:
+        """The loss per optimizer step, mean over ranks. Collective: call it on every rank."""
+        import torch
+
+        if not self._losses:
+            return []
+        local = torch.stack(self._losses)
+        gathered = trainer.accelerator.gather(local).reshape(-1, len(self._losses)).mean(dim=0).tolist()
+        per_step: dict[int, float] = {}
+        for step, value in zip(self._steps, gathered, strict=True):
+            per_step[step] = per_step.get(step, 0.0) + value
+        return [per_step[step] for step in sorted(per_step)]
+
+
+def _utc_iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _process_start_time() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # psutil missing or /proc unreadable: start the clock at the runner instead
+        return time.time()
+
+
+def _train_phase_clock() -> TrainerCallback:
+    from transformers import TrainerCallback
+
+    class _TrainPhaseClock(TrainerCallback):
+        """Marks the first step's start and training's end, to split ``train()`` into set-up and loop."""
+
+        def __init__(self) -> None:
+            self.train_begin: float | None = None
+            self.train_end: float | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.train_begin = time.perf_counter()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.train_end = time.perf_counter()
+
+    return _TrainPhaseClock()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------
+
+
+def run_trial(
+    spec: TrialSpec,
+    *,
+    strategy_kwargs: dict[str, Any] | None = None,
+    result_path: str | os.PathLike[str] | None = None,
+    process_start: float | None = None,
+) -> TrialOutcome:
+    """Train ``spec`` in this process (one rank of the group), verify what ran, and return the outcome.
+
+    Call it on every rank: training and verification are collective. The main process writes ``result_path``.
+
+    Args:
+        spec: the trial.
+        strategy_kwargs: the strategy's ``TrainingArguments`` keywords; None computes them
+            (:func:`strategy_training_args`).
+        result_path: where the main process writes the :class:`TrialOutcome` JSON; None writes nothing.
+        process_start: epoch time the process started, for the ``startup`` and ``total`` timings.
+
+    Raises:
+        Whatever training raises (out of memory, a library refusing the configuration): the sweep classifies it.
+    """
+    clock = time.perf_counter()
+    wall_start = time.time()
+    process_start = wall_start if process_start is None else process_start
+    timings: dict[str, float] = {"startup": wall_start - process_start}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = now - clock
+        clock = now
+
+    import torch
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback, attach
+    from hfscale.techniques import activation_offload
+    from hfscale.workload.data import make_dataset
+
+    lap("imports")
+    scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
+    try:
+        if strategy_kwargs is None:
+            strategy_kwargs = strategy_training_args(spec, scratch_dir=scratch)
+        kwargs = merge_training_args(spec, strategy_kwargs)
+
+        # The model is built before TrainingArguments exist, so ZeRO-3 does not build it partitioned (zero.Init):
+        # every trial then starts from the same weights (zero.Init draws them differently, measured), and on
+        # several CPU processes zero.Init fails DeepSpeed's batch-size check (it sees a world of one). The
+        # accelerator's memory is unaffected: the whole model is built in host memory and only partitions move.
+        transformers.set_seed(kwargs["seed"])
+        model = build_model(spec.model, spec.data, attn_implementation=spec.strategy.attn_implementation)
+        model, mesh_args = prepare_mesh(model, spec.strategy, scratch)  # tp: reloaded sharded along its plan
+        if spec.strategy.lora is not None:  # adapters on a frozen (QLoRA: 4-bit) base, before any wrapping
+            from hfscale.techniques.lora import apply_lora
+
+            model = apply_lora(model, spec, scratch_dir=scratch)
+        lap("model_build")
+        dataset: datasets.Dataset = make_dataset(spec.data, spec.model.task)
+        lap("data_build")
+        _name_fsdp_blocks(kwargs, model)
+        if spec.strategy.fsdp is not None and spec.strategy.device == "cpu":
+            from hfscale.techniques.fsdp_cpu import enable_fsdp2_on_cpu
+
+            enable_fsdp2_on_cpu()
+        args = TrainingArguments(output_dir=os.path.join(scratch, "output"), **kwargs, **mesh_args)
+        lap("training_args")
+        phase_clock = _train_phase_clock()
+        memory_cb = MemoryCallback()
+        throughput_cb = ThroughputCallback(warmup_steps=spec.measure.warmup_steps)
+        # Counts the parameters when the Trainer is built, before FSDP1 turns them into views of its shard.
+        verify_cb = VerificationCallback(spec.strategy, on_mismatch="warn")
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            callbacks=[memory_cb, throughput_cb, phase_clock, verify_cb],
+        )
+        activation_offload.apply(trainer, spec.strategy)  # offload hooks; DeepSpeed's checkpoint function
+        recorder = LossRecorder()
+        recorder.wrap(trainer)
+        # Bound explicitly: the callbacks never search the call stack for their Trainer.
+        attach(trainer, memory_cb, throughput_cb, verify_cb)
+        lap("trainer_init")
+
+        train_call_start = time.perf_counter()
+        output = trainer.train()
+        clock = time.perf_counter()
+        timings["train_call"] = clock - train_call_start
+        if phase_clock.train_begin is not None:
+            timings["train_setup"] = phase_clock.train_begin - train_call_start
+            if phase_clock.train_end is not None:
+                timings["train_loop"] = phase_clock.train_end - phase_clock.train_begin
+
+        # Verified by the callback at the end of the first step (warn mode: a mismatch is a not_applied result).
+        record = verify_cb.record
+        mismatches = verify_cb.mismatches
+        lap("verify")
+
+        loss_curve = recorder.curve(trainer)
+        outcome = TrialOutcome(
+            trial=spec.name,
+            status="not_applied" if mismatches else "ok",
+            reason=("what ran is not what was asked: " + "; ".join(mismatches)) if mismatches else None,
+            mismatches=mismatches,
+            train_runtime_s=output.metrics.get("train_runtime"),
+            train_samples_per_second=output.metrics.get("train_samples_per_second"),
+            loss_curve=loss_curve,
+            memory=memory_cb.summary,
+            throughput=throughput_cb.summary,
+            verification=record,
+            world_size=record.world_size if record is not None else int(args.world_size),
+            training_args=kwargs,
+            started_at=_utc_iso(process_start),
+        )
+        if mismatches:
+            logger.warning("trial %s: not applied: %s", spec.name, "; ".join(mismatches))
+        finished = time.time()
+        timings["total"] = finished - process_start
+        outcome.timings_s = timings
+        outcome.finished_at = _utc_iso(finished)
+        if result_path is not None and trainer.is_world_process_zero():
+            write_outcome(outcome, result_path)
+        # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return outcome
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_outcome(outcome: TrialOutcome, path: str | os.PathLike[str]) -> None:
+    """Write the outcome as JSON atomically (the sweep never reads half a file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_json_text(outcome, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_outcome(path: str | os.PathLike[str]) -> TrialOutcome:
+    """The outcome a trial wrote.
+
+    Raises:
+        OSError: when it cannot be read; ValueError: when it is not a valid outcome.
+    """
+    return TrialOutcome.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hfscale.trial",
+        description="Run one trial (one rank of it): train, verify what ran, write the result (main process).",
+        epilog="Launched by the sweep as: accelerate launch --config_file accelerate.yaml -m hfscale.trial "
+        "SPEC.json --result RESULT.json. Exit 0: result written (status ok or not_applied); non-zero: training "
+        "raised (traceback on stderr); 2: usage error.",
+    )
+    parser.add_argument("spec", type=Path, help="the TrialSpec JSON (TrialSpec.write)")
+    parser.add_argument("--result", type=Path, default=None, help="where the main process writes the result JSON")
+    parser.add_argument(
+        "--training-args",
+        type=Path,
+        default=None,
+        help=f"the strategy's TrainingArguments keywords (JSON); default: {TRAINING_ARGS_FILE} next to the spec, "
+        "else computed from the spec's strategy",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level of hfscale (default WARNING)",
+    )
+    return parser
+
+
+def leave_out_peft_unless_used(spec: TrialSpec) -> bool:
+    """Keep transformers from importing peft in a trial that trains no LoRA; returns whether it was left out.
+
+    transformers imports peft whenever it is installed, and peft imports bitsandbytes, which imports torch's
+    compiler stack: ``from transformers import Trainer`` took 6.3 s with peft 0.21 installed and 4.6 s without
+    on 2 CPU cores (measured 2026-11-23, two runs each), paid by every process of every trial. The Trainer uses
+    peft only to ask whether a model is a peft model, which a trial's model is only under ``strategy.lora``.
+    Call it before transformers' Trainer is imported (it changes nothing after).
+    """
+    if spec.strategy.lora is not None or "transformers.trainer_utils" in sys.modules:
+        return False
+    try:
+        import transformers.utils as transformers_utils
+        from transformers.utils import import_utils
+    except ImportError:
+        return False
+    if not hasattr(import_utils, "is_peft_available"):  # a transformers that asks differently: leave it alone
+        return False
+
+    def peft_unused() -> bool:
+        return False
+
+    import_utils.is_peft_available = peft_unused
+    transformers_utils.is_peft_available = peft_unused
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hfscale.trial``; returns the exit status."""
+    process_start = _process_start_time()
+    from hfscale.trial.watchdog import watch_driver
+
+    watch_driver()  # a trial never outlives the sweep that started it (its whole group is killed when it dies)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("hfscale").setLevel(args.log_level)
+    try:
+        spec = TrialSpec.read(args.spec)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        parser.error(f"{args.spec}: not a readable trial spec ({type(exc).__name__}: {exc})")
+    leave_out_peft_unless_used(spec)
+    ta_path = args.training_args
+    if ta_path is None and (args.spec.parent / TRAINING_ARGS_FILE).is_file():
+        ta_path = args.spec.parent / TRAINING_ARGS_FILE
+    strategy_kwargs = None
+    if ta_path is not None:
+        try:
+            strategy_kwargs = json.loads(ta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            parser.error(f"{ta_path}: not readable TrainingArguments JSON ({exc})")
+        logger.info("strategy TrainingArguments from %s", ta_path)
+    run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
+    return 0

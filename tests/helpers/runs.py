@@ -1,0 +1,70 @@
+"""Real runs the tests share: one trial launched as the sweep launches it, and the tiny sweep's recipe."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from helpers.models import TINY_BERT
+
+
+def launch_as_sweep(
+    tmp_path, strategy, *, steps: int = 4, num_samples: int = 64, seq_len: int = 64, timeout_s: int = 600
+):
+    """Run one trial of tiny BERT as the sweep launches it (``write_configs``, then ``accelerate launch ... -m
+    hfscale.trial``) and return its outcome; fails with the trial's stderr when it did not run, when it is not
+    ``ok``, or when its loss curve is not ``steps`` finite values. The first DeepSpeed use JIT-builds its CPU ops
+    (minutes, cached under TORCH_EXTENSIONS_DIR): hence the long default time limit."""
+    import subprocess
+
+    from hfscale.configs import launch_command, write_configs
+    from hfscale.launch.process import free_port
+    from hfscale.trial.train import read_outcome
+    from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
+
+    spec = TrialSpec(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="bert", config=TINY_BERT),
+        data=DataSpec(num_samples=num_samples, seq_len=seq_len),
+        measure=MeasureSpec(max_steps=steps, warmup_steps=1),
+    )
+    configs = write_configs(strategy, tmp_path)  # as the sweep does: FSDP's block class is the runner's to find
+    spec.write(tmp_path / "spec.json")
+    result = tmp_path / "result.json"
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(result)]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    outcome = read_outcome(result)
+    assert outcome.status == "ok", outcome.mismatches
+    assert len(outcome.loss_curve) == steps
+    assert all(math.isfinite(x) for x in outcome.loss_curve), outcome.loss_curve
+    return outcome
+
+
+# -- one real tiny sweep, shared by the sweep, report, parity and estimate tests ----------------------------------
+
+TINY_SWEEP_RECIPE = {
+    "name": "tiny",
+    "description": "the test suite's shared sweep: tiny BERT, 32 tokens, 4 steps, one process",
+    "device": "cpu",
+    "model": {"type": "bert", "task": "classification", "config": dict(TINY_BERT)},
+    "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
+    "training_args": {"report_to": "none", "seed": 0},
+    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 120, "repeats": 1},
+    "run": {"env": {"OMP_NUM_THREADS": "1"}},
+    "baseline": "fp32",
+    "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
+    "trials": [
+        {"name": "fp32"},
+        {"name": "bf16", "precision": "bf16"},
+        {"name": "ckpt", "gradient_checkpointing": True, "measure": {"repeats": 2}},
+        # Half a GiB of address space: the launcher cannot even map torch's libraries (a real, fast OOM).
+        {"name": "oom", "run": {"memory_limit_gib": 0.5}},
+        # Planned for two machines: skipped before launching, with the reason.
+        {"name": "two-machines", "num_machines": 2, "num_processes": 2},
+    ],
+}
+"""Trials: fp32 (the baseline), bf16, gradient checkpointing (two repeats), one out of memory, one skipped."""

@@ -1,0 +1,105 @@
+"""hfscale.results.stats: run-level intervals from pooled noise, the families of comparisons, and the within-run
+diagnostics; each figure against one computed another way (scipy's own Dunnett test, a hand-pooled variance)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from hfscale.results import stats
+
+
+def test_pooled_noise_is_the_one_way_anova_within_trial_variance() -> None:
+    runs = {"a": [100.0, 110.0], "b": [50.0, 55.0, 52.0], "c": [80.0]}  # c: one run, no degrees of freedom
+    noise = stats.pooled_noise(runs)
+    logs = [np.log(runs["a"]), np.log(runs["b"])]
+    squares = sum(float(((g - g.mean()) ** 2).sum()) for g in logs)
+    assert noise.df == 3 and noise.trials == ("a", "b")
+    assert noise.sd == pytest.approx(math.sqrt(squares / 3))
+    assert stats.pooled_noise({"a": [1.0], "b": [2.0]}).df == 0
+
+
+def test_dunnett_critical_value_matches_scipys_dunnett_test() -> None:
+    rng = np.random.default_rng(1)
+    control = rng.normal(0, 1, 3)
+    treatments = [rng.normal(0, 1, n) for n in (2, 3, 5)]
+    interval = sps.dunnett(*treatments, control=control, random_state=0).confidence_interval(0.95)
+    groups = [control, *treatments]
+    df = sum(g.size for g in groups) - len(groups)
+    sd = math.sqrt(sum(float(((g - g.mean()) ** 2).sum()) for g in groups) / df)
+    critical = stats.dunnett_critical(3, (2, 3, 5), df, 0.95)
+    for g, low, high in zip(treatments, interval.low, interval.high, strict=True):
+        diff, se = g.mean() - control.mean(), sd * math.sqrt(1 / g.size + 1 / 3)
+        assert diff - critical * se == pytest.approx(low, abs=2e-3)
+        assert diff + critical * se == pytest.approx(high, abs=2e-3)
+    # One comparison is Student's t; more comparisons need a wider interval, below Bonferroni's.
+    assert stats.dunnett_critical(2, (2,), 7, 0.95) == pytest.approx(sps.t.ppf(0.975, 7))
+    six = stats.dunnett_critical(2, (2,) * 6, 7, 0.95)
+    assert sps.t.ppf(0.975, 7) < six < sps.t.ppf(1 - 0.025 / 6, 7)
+
+
+def test_a_ratio_is_the_same_either_way_round() -> None:
+    """0.3 drew different bootstrap resamples for (a, b) and (b, a), so a verdict could depend on the order."""
+    evidence = stats.sweep_noise({"a": [100.0, 104.0, 98.0], "b": [120.0, 118.0, 125.0]})
+    ab, ba = evidence.pair("a", "b").ratio, evidence.pair("b", "a").ratio
+    assert ab is not None and ba is not None
+    assert ab.value == pytest.approx(1 / ba.value)
+    assert (ab.low, ab.high) == pytest.approx((1 / ba.high, 1 / ba.low))
+    assert evidence.pair("a", "b").verdict == "lower" and evidence.pair("b", "a").verdict == "higher"
+
+
+def test_a_non_finite_run_leaves_that_trial_short_never_the_sweep() -> None:
+    evidence = stats.sweep_noise({"a": [100.0, math.nan], "b": [100.0, 101.0], "c": [99.0, math.inf, 0.0]})
+    assert evidence.against("a", "b").verdict == "untested" and "1 run" in (evidence.against("a", "b").why or "")
+    assert evidence.noise.df == 1
+
+
+def test_one_run_a_side_or_no_pooled_noise_is_untested() -> None:
+    evidence = stats.sweep_noise({"a": [100.0], "b": [130.0]})
+    said = evidence.against("b", "a")
+    assert said.verdict == "untested" and said.ratio is None
+    assert evidence.level("a") is None  # no degrees of freedom: no interval invented
+
+
+def test_a_trial_far_outside_the_pool_is_flagged_and_gets_no_verdict() -> None:
+    steady = {f"t{k}": [100.0 * (1 + 0.01 * k), 100.0 * (1 - 0.01 * k)] for k in range(6)}
+    wild = {**steady, "wild": [60.0, 140.0]}
+    flagged = stats.outliers(wild)
+    assert list(flagged) == ["wild"] and "disagree far beyond" in flagged["wild"]
+    evidence = stats.sweep_noise(wild)
+    assert evidence.against("wild", "t0").verdict == "untested"
+    assert "wild" in evidence.noise.trials  # kept in the pool: the sweep was that noisy, the others' intervals say so
+    assert not stats.outliers(steady)
+
+
+def test_a_difference_within_the_noise_threshold_is_a_tie_even_when_significant() -> None:
+    evidence = stats.sweep_noise({"a": [100.0, 100.1, 99.9], "b": [101.5, 101.6, 101.4]})
+    said = evidence.against("b", "a")
+    assert said.ratio is not None and said.ratio.low > 1 and said.verdict == "tie"
+
+
+def test_batch_means_see_the_autocorrelation_the_naive_error_misses() -> None:
+    rng = np.random.default_rng(0)
+    noise = np.empty(400)
+    noise[0] = 0.0
+    for t in range(1, noise.size):
+        noise[t] = 0.9 * noise[t - 1] + rng.normal(0, 0.01)
+    steps = 0.1 * (1 + noise)
+    naive = steps.std(ddof=1) / math.sqrt(steps.size) / steps.mean()
+    assert stats.batch_means_se(steps.tolist()) > 2 * naive
+    assert stats.batch_means_se([0.1] * 5) is None  # fewer than two steps a batch
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: stats.sweep_noise({}, confidence=1.5), r"confidence: expected a value in \(0, 1\), got 1.5"),
+        (lambda: stats.sweep_noise({}, noise_threshold=-1), "noise_threshold: expected a fraction >= 0"),
+    ],
+)
+def test_bad_input_names_the_argument(call, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -1,0 +1,418 @@
+"""Device meshes: the strategy's mesh as accelerate takes it (YAML through its launcher, ``ParallelismConfig`` for the
+Trainer), a model without a tensor-parallel plan refused at recipe load, the mesh and the DTensor placements checked
+(a fallback to plain weights caught), and tensor parallel over 2 CPU processes through the Trainer proving from
+inside the run that a Linear weight is ``Shard``-ed over a 1-D tp mesh of 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+
+from hfscale.configs import launch_command, write_configs
+from hfscale.launch.process import free_port
+from hfscale.measure.verify import check
+from hfscale.recipes.recipe import RecipeError, parse_recipe
+from hfscale.records.measurements import VerificationRecord
+from hfscale.strategy import FsdpSpec, ParallelismSpec, Strategy
+from hfscale.techniques import mesh
+from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+TP2_CPU = Strategy(
+    name="tp2", device="cpu", num_processes=2, per_device_batch_size=4, optimizer="adamw_torch",
+    parallelism=ParallelismSpec(tp=2),
+)  # fmt: skip
+FSDP2_TP2 = Strategy(
+    name="fsdp2-tp2", precision="bf16", num_processes=4, fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_shard=2, tp=2)
+)
+
+
+def tp_record(**changes) -> VerificationRecord:
+    """What the tp=2 CPU trial records (measured, and the parameter counts derived, in
+    test_tensor_parallel_over_two_cpu_processes): no wrapper, a tp mesh of 2, q_proj's weight split
+    by rows, the batch counted once for the two ranks that share it."""
+    base = VerificationRecord(
+        distributed_type="MULTI_CPU",
+        world_size=2,
+        device="cpu",
+        mixed_precision="no",
+        wrapper="none",
+        wrapper_class="transformers.models.llama.modeling_llama.LlamaForCausalLM",
+        params_total=115_008,
+        params_local_per_rank=[57_664, 57_664],
+        linear_layer="model.layers.0.self_attn.q_proj",
+        linear_output_dtype="float32",
+        optimizer_class="torch.optim.adamw.AdamW",
+        optimizer_implementation="foreach",
+        global_batch_size=4,
+        device_mesh={"tp": 2},
+        linear_weight_placements="tp=Shard(dim=0)",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# -- the mesh, as accelerate takes it ------------------------------------------------------------------------------
+
+
+def test_parallelism_config_carries_the_strategy_sizes():
+    pc = mesh.parallelism_config(FSDP2_TP2)
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size, pc.sp_size) == (1, 2, 2, 1, 1)
+    assert pc.total_size == FSDP2_TP2.num_processes
+    assert mesh.parallelism_config(Strategy()) is None
+
+
+def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monkeypatch):
+    """accelerate launch refuses a parallelism_config section without FSDP2: DDP + tp gets none (the Trainer
+    takes the mesh); FSDP2 + tp gets one, which accelerate's launcher turns into PARALLELISM_CONFIG_* variables."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    assert mesh.accelerate_section(TP2_CPU) == {}
+    assert "parallelism_config" not in write_configs(TP2_CPU, tmp_path / "ddp").accelerate_yaml.read_text()
+    configs = write_configs(FSDP2_TP2, tmp_path / "fsdp")
+    args = launch_command_parser().parse_args(["--config_file", str(configs.accelerate_yaml), "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    args.main_process_port = 0
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "2")
+    # The variables build the same ParallelismConfig the Trainer is given.
+    from accelerate import ParallelismConfig
+
+    for key, value in env.items():
+        if key.startswith("PARALLELISM_CONFIG_"):
+            monkeypatch.setenv(key, value)
+    from_env = ParallelismConfig()
+    given = mesh.parallelism_config(FSDP2_TP2)
+    assert from_env._sizes == given._sizes
+
+
+def test_accelerate_refuses_tp_beside_replication_alone():
+    with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):
+        mesh.parallelism_config(Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2)))
+
+
+def test_script_lines_say_what_a_user_script_needs():
+    lines = [line for _, line in mesh.script_lines(TP2_CPU)]
+    assert lines[0] == mesh.SCRIPT_LINE
+    assert "tp_plan='auto', tp_size=2" in lines[1]
+    assert "ParallelismConfig(tp_size=2)" in lines[2]
+    assert mesh.script_lines(Strategy()) == []
+
+
+# -- a model without a tensor-parallel plan ------------------------------------------------------------------------
+
+
+def test_tp_for_a_model_without_a_plan_is_refused_at_recipe_load():
+    recipe = {
+        "device": "cpu",
+        "model": {"type": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
+        "trials": [{"name": "tp2", "num_processes": 2, "parallelism": {"tp": 2}}],
+    }
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism\.tp: .*model type 'bert' has none.*llama"):
+        parse_recipe(recipe, source="x.yaml")
+    recipe["model"] = {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA}
+    recipe["data"] = {"token_high": 256}
+    assert parse_recipe(recipe, source="x.yaml").trials[0].spec.strategy.parallelism.tp == 2
+
+
+def test_a_mesh_accelerate_refuses_is_refused_at_recipe_load_and_by_the_cli(tmp_path: Path, capsys):
+    from hfscale.commands.config import main as config_main
+
+    recipe = {
+        "model": {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA},
+        "data": {"token_high": 256},
+        "trials": [{"name": "tp-ddp", "num_processes": 4, "parallelism": {"dp_replicate": 2, "tp": 2}}],
+    }
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism: accelerate refuses this mesh: .*pure data"):
+        parse_recipe(recipe, source="x.yaml")
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2"]) == 2
+    assert "the other 2 ways of data parallel need --fsdp" in capsys.readouterr().err
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 0
+    assert "parallelism_config_tp_size: 2" in (tmp_path / "accelerate.yaml").read_text()
+
+
+# -- verification ----------------------------------------------------------------------------------------------
+
+
+def test_a_tensor_parallel_record_matches():
+    assert check(TP2_CPU, tp_record()) == []
+    assert mesh.check(Strategy(), tp_record(device_mesh=None, linear_weight_placements=None)) == []
+
+
+def test_plain_weights_while_tp_was_asked_are_caught():
+    """The silent fallback: the model trained whole on every rank (not loaded along its plan)."""
+    fallback = tp_record(linear_weight_placements=None, device_mesh=None)
+    problems = check(TP2_CPU, fallback)
+    assert any("Linear weights are plain tensors, parallelism.tp=2" in p for p in problems)
+    assert any("device mesh that ran is none, parallelism asks for tp 2" in p for p in problems)
+    replicated = tp_record(linear_weight_placements="(Replicate(),)")  # an unnamed mesh
+    assert any("(replicated)" in p for p in check(TP2_CPU, replicated))
+    assert check(TP2_CPU, tp_record(linear_weight_placements="(Shard(dim=0),)")) == []
+    named = tp_record(linear_weight_placements="tp=Replicate()")
+    assert any("sharded over the 'tp' mesh dimension" in p for p in check(TP2_CPU, named))
+
+
+def test_fsdp2_shard_alone_does_not_pass_for_tensor_parallel():
+    """Under dp_shard x tp FSDP2 shards every weight over dp_shard itself: the record names each mesh dimension,
+    and only a Shard on the tp dimension counts as tensor parallel."""
+    both = "dp_shard=Shard(dim=0), tp=Shard(dim=0)"
+    assert mesh.placements_by_dim(both) == {"dp_shard": "Shard(dim=0)", "tp": "Shard(dim=0)"}
+    assert mesh.placements_by_dim("(Shard(dim=0),)") is None
+    strided = "dp_shard=_StridedShard(dim=0, sf=2), tp=Shard(dim=0)"
+    assert mesh.placements_by_dim(strided)["tp"] == "Shard(dim=0)"
+    record = tp_record(world_size=4, device_mesh={"dp_shard": 2, "tp": 2})
+    assert mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=both)) == []
+    assert mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=strided)) == []
+    for fsdp_only in ("dp_shard=Shard(dim=0), tp=Replicate()", "dp_shard=Shard(dim=0)"):
+        problems = mesh.check(FSDP2_TP2, dataclasses.replace(record, linear_weight_placements=fsdp_only))
+        assert problems == [
+            f"a Linear weight is placed {fsdp_only}, parallelism.tp=2 asks for it sharded over the 'tp' mesh "
+            "dimension: the model was not split along its tensor-parallel plan"
+        ]
+
+
+def test_placements_recorded_per_named_mesh_dimension(tmp_path: Path):
+    """Read from a real DTensor on a named 2-D mesh (one gloo process, sizes 1 x 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+        linear = torch.nn.Linear(4, 4)
+        linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.data, device_mesh, [Shard(0), Replicate()]))
+        recorded = mesh._linear_weight_placements(torch.nn.Sequential(linear))
+        assert recorded == "dp_shard=Shard(dim=0), tp=Replicate()"
+        assert "'tp' mesh dimension" in mesh.check(FSDP2_TP2, tp_record(linear_weight_placements=recorded))[-1]
+        unnamed = init_device_mesh("cpu", (1,))
+        linear.weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), unnamed, [Shard(0)]))
+        assert mesh._linear_weight_placements(torch.nn.Sequential(linear)) == "(Shard(dim=0),)"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepspeed_sequence_parallel_read_from_the_groups_deepspeed_built(monkeypatch):
+    """With sp_backend="deepspeed" accelerate builds no torch mesh, so the config is all the state holds: that is
+    what hfscale passed, not what ran. The sp size is read from DeepSpeed's groups; none built is sp 1, caught."""
+    from types import SimpleNamespace
+
+    import deepspeed.comm
+    from deepspeed.utils import groups
+
+    from hfscale.strategy import DeepSpeedSpec
+
+    strategy = Strategy(
+        name="sp2", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=1), parallelism=ParallelismSpec(sp=2)
+    )
+    state = SimpleNamespace(device_mesh=None, parallelism_config=mesh.parallelism_config(strategy))
+    not_built = mesh._mesh_sizes(state)  # no process group here: DeepSpeed built no sequence-parallel group
+    assert not_built == {}
+    problems = mesh.check(strategy, tp_record(device_mesh=not_built, linear_weight_placements=None))
+    assert problems == ["the device mesh that ran is none, parallelism asks for sp 2"]
+
+    class Mpu:
+        @staticmethod
+        def get_sequence_parallel_world_size() -> int:
+            return 2
+
+    monkeypatch.setattr(deepspeed.comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(groups, "mpu", Mpu())
+    monkeypatch.setattr(groups, "mesh_device", None)
+    built = mesh._mesh_sizes(state)
+    assert built == {"sp": 2}
+    assert mesh.check(strategy, tp_record(device_mesh=built, linear_weight_placements=None)) == []
+
+
+def test_global_batch_counts_the_shared_batch_once():
+    """Both tp ranks train on the same samples: 4 per step, not 8 (hfscale.techniques.mesh.shared_batch)."""
+    assert TP2_CPU.global_batch_size == 4
+    assert mesh.shared_batch() == (1, 1)  # no accelerate state in this process
+
+
+def test_the_model_reloaded_for_tp_and_qlora_is_saved_in_bf16_and_loads_as_fp32(tmp_path: Path):
+    """Each rank saves its own copy of the model to reload (tp, QLoRA): in bf16, half the bytes of fp32; loaded
+    back as float32, the weights are the originals rounded to bf16, tied weights still tied."""
+    import torch
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, tie_word_embeddings=True))
+    mesh.save_for_reload(model, tmp_path / "half")
+    model.save_pretrained(tmp_path / "full")
+    with safe_open(tmp_path / "half" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (not iterable)
+    half, full = ((tmp_path / d / "model.safetensors").stat().st_size for d in ("half", "full"))
+    assert half < 0.55 * full
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    original = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, original[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert model.dtype == torch.float32  # the trial's model is left as it was
+
+
+# -- tensor parallel on 2 CPU processes, through the Trainer ---------------------------------------------------------
+
+
+def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
+    """The trial runner loads the model along its plan and accelerate runs the mesh over gloo (with
+    :func:`hfscale.techniques.mesh.enable_mesh_on_cpu`): from inside the run, q_proj's weight is a DTensor
+    ``Shard(dim=0)`` over a 1-D tp mesh of 2, each rank holds half of every split Linear, and the loss is finite."""
+    from hfscale.trial.train import read_outcome
+
+    spec = TrialSpec(
+        name=TP2_CPU.name,
+        strategy=TP2_CPU,
+        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
+        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
+        measure=MeasureSpec(max_steps=4, warmup_steps=1),
+    )
+    configs = write_configs(TP2_CPU, tmp_path)
+    spec.write(tmp_path / "spec.json")
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outcome = read_outcome(tmp_path / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    v = outcome.verification
+    assert v.device_mesh == {"tp": 2}
+    assert v.linear_layer == "model.layers.0.self_attn.q_proj"
+    assert v.linear_weight_placements == "tp=Shard(dim=0)"  # transformers names its 1-D mesh's dimension
+    assert v.wrapper == "none" and v.distributed_type == "MULTI_CPU" and v.world_size == 2
+    # TINY_LLAMA: embedding 256x64 + untied lm_head 256x64 + 2 layers x (4x64^2 + 3x64x128 + 2x64) + final norm 64
+    # = 115,008. Only the norms (2x2x64 + 64 = 320) stay whole; the embedding, lm_head and every Linear are halved.
+    assert v.params_total == 115_008
+    assert v.params_local_per_rank == [(115_008 - 320) // 2 + 320] * 2
+    assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
+    assert all(math.isfinite(x) for x in outcome.loss_curve)
+    assert check(TP2_CPU, v) == []
+
+
+@pytest.mark.multi_gpu
+def test_tensor_parallel_over_two_gpus(tmp_path: Path):
+    """The same trial on 2 GPUs (NCCL; no adjustment): the weight is sharded over the tp mesh."""
+    from hfscale.trial.train import read_outcome
+
+    strategy = TP2_CPU.replace(name="tp2-gpu", device="cuda", precision="bf16")
+    spec = TrialSpec(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
+        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
+        measure=MeasureSpec(max_steps=4, warmup_steps=1),
+    )
+    configs = write_configs(strategy, tmp_path)
+    spec.write(tmp_path / "spec.json")
+    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outcome = read_outcome(tmp_path / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    assert outcome.verification.device_mesh == {"tp": 2}
+    assert "Shard" in (outcome.verification.linear_weight_placements or "")
+
+
+def test_a_batch_mismatch_names_the_data_parallel_replicas_not_the_processes():
+    """Under tp=2 the two ranks share one batch: the message's factors multiply to the number it explains."""
+    rec = tp_record(global_batch_size=8)
+    problems = check(Strategy(name="tp", device="cpu", per_device_batch_size=4, num_processes=2,
+                              parallelism=ParallelismSpec(tp=2)), rec)  # fmt: skip
+    assert any("8 samples per optimizer step across ranks ran, 4 were asked for (batch 4 x accumulation 1 x 1 "
+               "data-parallel replica(s))" in p for p in problems), problems  # fmt: skip
+
+
+# -- hybrid sharding through the device mesh -----------------------------------------------------------------------
+
+HSDP_MESH = Strategy(
+    name="hsdp-mesh", device="cpu", num_processes=4, per_device_batch_size=4, optimizer="adamw_torch",
+    fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_replicate=2, dp_shard=2),
+)  # fmt: skip
+
+
+def fsdp2_record_on_a_fake_world(dp_replicate: int, dp_shard: int) -> VerificationRecord:
+    """Rank 0's record of an FSDP2 ``full_shard`` run of the tiny Llama on a ``dp_replicate x dp_shard`` mesh, read
+    by the collectors a trial runs from a real ``fully_shard`` model. The mesh is built as accelerate builds it
+    (``ParallelismConfig.build_device_mesh``) and FSDP2 is applied on its ``fsdp_dim_names`` sub-mesh, as
+    accelerate's ``fsdp2_prepare_model`` does, in this one process over torch's fake process group (world 4, no
+    communication: every rank holds the same share, so the gathered counts are rank 0's four times). No training
+    step runs: the fields a step fills (dtype, batch) are what a correct run records."""
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfscale.measure.verify import _fsdp_facts, _qualname, _wrapper_kind, count_parameters
+    from hfscale.techniques import multi_machine
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp_replicate * dp_shard)
+    try:
+        pc = ParallelismConfig(dp_replicate_size=dp_replicate, dp_shard_size=dp_shard)
+        device_mesh = pc.build_device_mesh("cpu")
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
+        fully_shard(model, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
+        total, local = count_parameters(model)
+        sharding, offload = _fsdp_facts(model, model, _wrapper_kind(model))
+        fsdp_mesh, shard_ranks = multi_machine.fsdp_mesh_facts(model)
+        device_mesh_sizes = mesh._mesh_sizes(types.SimpleNamespace(device_mesh=device_mesh))
+        return VerificationRecord(
+            distributed_type="FSDP", world_size=4, device="cpu", mixed_precision="no", wrapper=_wrapper_kind(model),
+            wrapper_class=_qualname(model), params_total=total, params_local_per_rank=[local] * 4,
+            linear_layer="model.layers.0.self_attn.q_proj", linear_output_dtype="float32",
+            optimizer_class="torch.optim.adamw.AdamW", optimizer_implementation="foreach",
+            fsdp_sharding=sharding, fsdp_cpu_offload=offload, global_batch_size=16,
+            machine_rank_per_rank=[0] * 4, hostname_per_rank=["host-a"] * 4, fsdp_mesh=fsdp_mesh,
+            fsdp_shard_groups=[shard_ranks], device_mesh=device_mesh_sizes,
+            linear_weight_placements=mesh._linear_weight_placements(model),
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_shard_on_a_replicating_mesh_is_verified_as_hybrid_sharding():
+    """FSDP2 ``full_shard`` with ``parallelism: {dp_replicate: 2, dp_shard: 2}`` runs hybrid-sharded: FSDP2 reads
+    an HSDP mesh and each rank holds half the parameters. Verification expects what the mesh implies; it expected
+    ``full_shard`` and a quarter (the row was ``not_applied``)."""
+    record = fsdp2_record_on_a_fake_world(dp_replicate=2, dp_shard=2)
+    assert record.fsdp_sharding == "hybrid_shard" and record.fsdp_mesh == {"dp_replicate": 2, "dp_shard": 2}
+    assert record.params_local_max == record.params_total // 2
+    assert record.device_mesh == {"dp_replicate": 2, "dp_shard": 2}
+    assert check(HSDP_MESH, record) == []
+    # The estimate divides the model states by the same group (hfscale.estimate.states.shard_group).
+    assert HSDP_MESH.shard_group_size == 2 and HSDP_MESH.fsdp_mesh == {"dp_replicate": 2, "dp_shard": 2}
+
+
+def test_a_flat_mesh_where_the_device_mesh_replicates_is_caught():
+    """The fallback: a flat mesh of 4 where dp_replicate 2 x dp_shard 2 was asked (a quarter per rank, every
+    all-gather across all ranks) is named by the sharding, the mesh and the share held."""
+    flat = fsdp2_record_on_a_fake_world(dp_replicate=1, dp_shard=4)
+    assert flat.fsdp_sharding == "full_shard" and flat.params_local_max == flat.params_total // 4
+    problems = check(HSDP_MESH, flat)
+    assert any("FSDP runs full_shard, expected hybrid_shard for fsdp.sharding='full_shard'" in p for p in problems)
+    assert any("FSDP2 sharded on a mesh of dp_shard 4, expected dp_replicate 2 x dp_shard 2" in p for p in problems)
+    assert any("sharded further than hybrid_shard asks" in p for p in problems), problems
+    assert any("the device mesh that ran is dp_shard 4" in p for p in problems), problems
