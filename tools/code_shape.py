@@ -40,7 +40,7 @@ def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return len([n for n in names if n not in ("self", "cls")])
 
 
-def functions(path: Path) -> list[Function]:
+def functions(path: Path, base: Path) -> list[Function]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found: list[Function] = []
 
@@ -49,7 +49,7 @@ def functions(path: Path) -> list[Function]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
                 name = f"{prefix}{child.name}"
-                where = f"{path.relative_to(ROOT)}:{child.lineno} {name}"
+                where = f"{path.relative_to(base)}:{child.lineno} {name}"
                 found.append(Function(where, (child.end_lineno or first) - first + 1, parameter_count(child)))
                 visit(child, name + ".")
             elif isinstance(child, ast.ClassDef):
@@ -66,16 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="also list the ten longest modules and functions")
     parser.add_argument("package", nargs="?", default=str(ROOT / "hfscale"))
     args = parser.parse_args(argv)
-    paths = sorted(Path(args.package).rglob("*.py"))
+    package = Path(args.package).resolve()
+    base = package.parent
+    paths = sorted(package.rglob("*.py"))
     modules = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in paths}
-    funcs = [f for p in paths for f in functions(p)]
+    funcs = [f for p in paths for f in functions(p, base)]
     long_modules = sorted(((n, p) for p, n in modules.items() if n > MAX_MODULE_LINES), reverse=True)
     long_funcs = sorted((f for f in funcs if f.lines > MAX_FUNCTION_LINES), key=lambda f: -f.lines)
     wide_funcs = sorted((f for f in funcs if f.parameters > MAX_PARAMETERS), key=lambda f: -f.parameters)
     print(f"{len(modules)} modules, {sum(modules.values())} lines, {len(funcs)} functions")
     print(f"modules over {MAX_MODULE_LINES} lines: {len(long_modules)}")
     for n, p in long_modules:
-        print(f"  {n:5d}  {p.relative_to(ROOT)}")
+        print(f"  {n:5d}  {p.relative_to(base)}")
     print(f"functions over {MAX_FUNCTION_LINES} lines: {len(long_funcs)}")
     for f in long_funcs:
         print(f"  {f.lines:5d}  {f.where}")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.all:
         print("longest modules:")
         for p, n in sorted(modules.items(), key=lambda item: -item[1])[:10]:
-            print(f"  {n:5d}  {p.relative_to(ROOT)}")
+            print(f"  {n:5d}  {p.relative_to(base)}")
         print("longest functions:")
         for f in sorted(funcs, key=lambda f: -f.lines)[:10]:
             print(f"  {f.lines:5d}  {f.where}")

@@ -39,17 +39,6 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank, in rank order (a collective: every rank must call it); ``[obj]`` without a group."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
-    return [obj]
-
-
 def _find_trainer(callback: TrainerCallback) -> Any | None:
     """The ``transformers.Trainer`` whose event is running this callback, found in the caller frames, or None.
 

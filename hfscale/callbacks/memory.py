@@ -9,7 +9,8 @@ import logging
 import os
 from typing import Any
 
-from hfscale.callbacks.base import _all_gather, _rank_and_world, _SummaryCallback, _write_json
+from hfscale.callbacks.base import _rank_and_world, _SummaryCallback, _write_json
+from hfscale.core.collective import all_gather_object
 from hfscale.core.units import GIB
 from hfscale.measure.memory import MemoryProbe, probe_for
 from hfscale.records.measurements import MEMORY_PHASES, MemorySummary, RankMemory, max_present
@@ -169,7 +170,7 @@ class MemoryCallback(_SummaryCallback):
             nvml_process_used_gib=_gib(self._nvml_process),
             nvml_device_used_gib=_gib(self._nvml_device),
         )
-        self.summary = MemorySummary.from_ranks(_all_gather(row), notes=self._notes)
+        self.summary = MemorySummary.from_ranks(all_gather_object(row), notes=self._notes)
         self._log(control, self.summary.log_dict())
         if self.output_path is not None and state.is_world_process_zero:
             _write_json(self.output_path, self.summary.to_dict())

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from hfscale.callbacks.base import _all_gather, _batch_counts, _rank_and_world, _SummaryCallback, _write_json
+from hfscale.callbacks.base import _batch_counts, _rank_and_world, _SummaryCallback, _write_json
 from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
+from hfscale.core.collective import all_gather_object
 from hfscale.measure.flops import (
     GradientFlowProbe,
     compute_dtype,
@@ -17,7 +19,7 @@ from hfscale.measure.flops import (
     peak_flops_per_s,
     transformer_flops_per_token,
 )
-from hfscale.measure.verify import LinearDtypeProbe
+from hfscale.measure.readback import LinearDtypeProbe
 from hfscale.records.measurements import ThroughputSummary
 from hfscale.techniques.mesh import shared_batch
 
@@ -230,7 +232,7 @@ class ThroughputCallback(_SummaryCallback):
         durations = self._timer.durations_s()
         n = min(len(durations), len(self._samples))
         rank, world = _rank_and_world()
-        rows = _all_gather(
+        rows = all_gather_object(
             {
                 "rank": rank,
                 "durations": durations[:n],
@@ -245,24 +247,15 @@ class ThroughputCallback(_SummaryCallback):
             _write_json(self.output_path, self.summary.to_dict())
 
     def _summarise(self, args: Any, rows: list[dict[str, Any]], world: int) -> ThroughputSummary:
-        n = min(len(r["durations"]) for r in rows)
-        step_s = [max(r["durations"][k] for r in rows) for k in range(n)]
         # Ranks of one tensor/context/sequence-parallel group see the same samples
         # (hfscale.techniques.mesh.shared_batch).
         samples_shared, tokens_shared = shared_batch()
-        samples = [sum(r["samples"][k] for r in rows) // samples_shared for k in range(n)]
-        tokens = [sum(r["tokens"][k] for r in rows) // tokens_shared for k in range(n)]
-        interrupted = [any(r["interrupted"][k] for r in rows) for k in range(n)]
+        steps = _combine_ranks(rows, samples_shared, tokens_shared)
+        n = len(steps.step_s)
         accumulation = int(getattr(args, "gradient_accumulation_steps", 1))
         configured = int(args.train_batch_size) * accumulation * world // samples_shared
-        if n and not any(samples):
-            logger.warning(
-                "ThroughputCallback: counted no samples in the model's inputs (no input_ids / inputs_embeds / "
-                "pixel_values / labels keyword); using the configured %d samples per step",
-                configured,
-            )
-            samples = [configured] * n
-        measured = [k for k in range(n) if k >= self.warmup_steps and not interrupted[k]]
+        samples = _counted_or_configured(steps.samples, configured)
+        measured = [k for k in range(n) if k >= self.warmup_steps and not steps.interrupted[k]]
         samples_per_step = max(samples) if samples else None
         if samples_per_step is not None and samples_per_step != configured:
             logger.warning(
@@ -274,51 +267,57 @@ class ThroughputCallback(_SummaryCallback):
         observed = self._dtype_probe.output_dtype if self._dtype_probe is not None else None
         dtype = compute_dtype(args, observed=observed)
         device_name = _device_name(args.device)
-        peak = self.peak_flops if self.peak_flops is not None else peak_flops_per_s(device_name, dtype)
-        common = dict(
+        common: dict[str, Any] = dict(
             warmup_steps=self.warmup_steps,
             samples_per_step=samples_per_step,
             world_size=world,
-            peak_flops_per_s=peak,
+            peak_flops_per_s=self.peak_flops if self.peak_flops is not None else peak_flops_per_s(device_name, dtype),
             device_name=device_name,
             compute_dtype=dtype,
             timer=self._timer.kind,
             total_steps=n,
-            interrupted_steps=sum(interrupted[self.warmup_steps :]),
+            interrupted_steps=sum(steps.interrupted[self.warmup_steps :]),
             samples_per_step_configured=configured,
-            first_step_s=step_s[0] if n else None,  # compilation lands here under torch.compile
+            first_step_s=steps.step_s[0] if n else None,  # compilation lands here under torch.compile
         )
-        if len(measured) < 2:
-            logger.warning(
-                "ThroughputCallback: %d optimizer steps timed, %d after %d warm-up steps; at least 2 are needed, so "
-                "the throughput figures are None",
-                n,
-                len(measured),
-                self.warmup_steps,
-            )
-            return ThroughputSummary(
-                samples_per_s=None,
-                tokens_per_s=None,
-                step_time_median_s=None,
-                step_time_p90_s=None,
-                step_time_mean_s=None,
-                measured_steps=len(measured),
-                tokens_per_sample=None,
-                flops_per_token=self.flops_per_token,
-                mfu=None,
-                **common,
-            )
-        times = [step_s[k] for k in measured]
+        if len(measured) >= 2:
+            return self._figures(args, steps, samples, measured, common)
+        logger.warning(
+            "ThroughputCallback: %d optimizer steps timed, %d after %d warm-up steps; at least 2 are needed, so "
+            "the throughput figures are None",
+            n,
+            len(measured),
+            self.warmup_steps,
+        )
+        return ThroughputSummary(
+            samples_per_s=None,
+            tokens_per_s=None,
+            step_time_median_s=None,
+            step_time_p90_s=None,
+            step_time_mean_s=None,
+            measured_steps=len(measured),
+            tokens_per_sample=None,
+            flops_per_token=self.flops_per_token,
+            mfu=None,
+            **common,
+        )
+
+    def _figures(
+        self, args: Any, steps: _Steps, samples: list[int], measured: list[int], common: dict[str, Any]
+    ) -> ThroughputSummary:
+        """The summary over the ``measured`` steps (two or more): rates, step-time statistics and MFU."""
+        times = [steps.step_s[k] for k in measured]
         total_time = sum(times)
         total_samples = sum(samples[k] for k in measured)
-        total_tokens = sum(tokens[k] for k in measured)
+        total_tokens = sum(steps.tokens[k] for k in measured)
         tokens_per_s = total_tokens / total_time if total_tokens else None
         tokens_per_sample = total_tokens / total_samples if total_tokens and total_samples else None
         fpt = self._flops_per_token(tokens_per_sample)
+        peak = common["peak_flops_per_s"]
         utilisation = None
         if fpt is not None and peak is not None and tokens_per_s is not None:
             # One process drives n_gpu devices under nn.DataParallel (n_gpu is 1 per process in DDP, 0 on CPU).
-            devices = world * max(1, int(getattr(args, "n_gpu", 1) or 1))
+            devices = common["world_size"] * max(1, int(getattr(args, "n_gpu", 1) or 1))
             utilisation = mfu(
                 tokens_per_s=tokens_per_s, flops_per_token=fpt, peak_flops_per_s=peak, num_devices=devices
             )
@@ -339,6 +338,41 @@ class ThroughputCallback(_SummaryCallback):
             step_times_s=times,
             **common,
         )
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """The optimizer steps of every rank combined: each step's time is the slowest rank's; its samples and tokens
+    are all ranks' (divided by the ranks that share one batch)."""
+
+    step_s: list[float]
+    samples: list[int]
+    tokens: list[int]
+    interrupted: list[bool]
+    """Steps that held an evaluation or a checkpoint save on any rank."""
+
+
+def _counted_or_configured(samples: list[int], configured: int) -> list[int]:
+    """The samples counted per step, or the configured figure for every step where none was counted at all."""
+    if not samples or any(samples):
+        return samples
+    logger.warning(
+        "ThroughputCallback: counted no samples in the model's inputs (no input_ids / inputs_embeds / "
+        "pixel_values / labels keyword); using the configured %d samples per step",
+        configured,
+    )
+    return [configured] * len(samples)
+
+
+def _combine_ranks(rows: list[dict[str, Any]], samples_shared: int, tokens_shared: int) -> _Steps:
+    """The steps all ranks timed (the shortest rank's count), combined across ranks."""
+    n = min(len(r["durations"]) for r in rows)
+    return _Steps(
+        step_s=[max(r["durations"][k] for r in rows) for k in range(n)],
+        samples=[sum(r["samples"][k] for r in rows) // samples_shared for k in range(n)],
+        tokens=[sum(r["tokens"][k] for r in rows) // tokens_shared for k in range(n)],
+        interrupted=[any(r["interrupted"][k] for r in rows) for k in range(n)],
+    )
 
 
 def _fsdp1_active(model: Any) -> bool:

@@ -6,7 +6,8 @@ import logging
 import os
 from typing import Any, Literal, get_args
 
-from hfscale.callbacks.base import _all_gather, _batch_counts, _TrainerBoundCallback, _write_json
+from hfscale.callbacks.base import _batch_counts, _TrainerBoundCallback, _write_json
+from hfscale.core.collective import all_gather_object
 from hfscale.measure.verify import LinearDtypeProbe, VerificationRecord
 from hfscale.strategy import Strategy
 from hfscale.techniques.kernels import AttentionProbe
@@ -125,10 +126,10 @@ class VerificationCallback(_TrainerBoundCallback):
     # -- the check ---------------------------------------------------------------------------------------------
 
     def _count_parameters(self, model: Any) -> None:
-        from hfscale.measure.verify import count_parameters
+        from hfscale.measure.verify import count_parameters_held
 
         if self._params_total is None:
-            self._params_total, _ = count_parameters(model)
+            self._params_total, _ = count_parameters_held(model)
 
     def _count_samples(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training:
@@ -150,7 +151,7 @@ class VerificationCallback(_TrainerBoundCallback):
 
         self._finished = True
         self._remove_hooks()
-        samples = sum(_all_gather(self._samples))  # collective, like collect(): every rank gets here
+        samples = sum(all_gather_object(self._samples))  # collective, like collect(): every rank gets here
         samples //= shared_batch()[0]  # the ranks of one tensor/context-parallel group share their samples
         trainer = self._trainer()
         if trainer is None:
@@ -169,7 +170,7 @@ class VerificationCallback(_TrainerBoundCallback):
             )
             mismatches = check(self.strategy, record)
         # Every rank must stop or go on together: a rank that raised alone would leave the others in a collective.
-        mismatches = list(dict.fromkeys(m for rank in _all_gather(mismatches) for m in rank))
+        mismatches = list(dict.fromkeys(m for rank in all_gather_object(mismatches) for m in rank))
         self.record, self.mismatches = record, mismatches
         payload: dict[str, Any] = {"verify/ok": int(not mismatches), "verify/mismatches": len(mismatches)}
         if mismatches:

@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="folder to write the configs into (created)")
     parser.add_argument("--name", default="baseline", help="strategy label (default: %(default)s)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default: %(default)s")
+    groups = (_training_options, _deepspeed_options, _fsdp_options, _lora_options, _kernel_options, _process_options)
+    for add_group in groups:  # one option group each, in the order --help lists them
+        add_group(parser)
+    return parser
 
+
+def _training_options(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("precision, memory and optimizer")
     train.add_argument("--fp16", action="store_true", help="fp16 mixed precision (GPU only)")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
@@ -69,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the activations saved for backward in CPU memory (one line in your script, printed below)",
     )
 
+
+def _deepspeed_options(parser: argparse.ArgumentParser) -> None:
     ds = parser.add_argument_group("DeepSpeed ZeRO (on when --zero-stage is given)")
     ds.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     offload_choices = [c for c in get_args(OffloadDevice) if c != "none"]
@@ -87,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="DeepSpeed activation checkpointing: keep checkpoints in CPU memory (needs --gradient-checkpointing)",
     )
 
+
+def _fsdp_options(parser: argparse.ArgumentParser) -> None:
     fsdp = parser.add_argument_group("PyTorch FSDP (on when --fsdp is given)")
     fsdp.add_argument(
         "--fsdp",
@@ -101,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fsdp-layer-cls", help="transformer block class to wrap, e.g. LlamaDecoderLayer (default: the model's)"
     )
 
+
+def _lora_options(parser: argparse.ArgumentParser) -> None:
     lora = parser.add_argument_group("LoRA / QLoRA through peft (on when --lora-rank is given)")
     lora.add_argument("--lora-rank", type=int, help="rank of the adapters")
     lora.add_argument("--lora-alpha", type=int, default=16, help="scaling numerator (default: %(default)s)")
@@ -108,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-target", nargs="+", help="module names to adapt (default: peft's for the model type)")
     lora.add_argument("--qlora", action="store_true", help="store the frozen base's Linear weights in 4-bit NF4")
 
+
+def _kernel_options(parser: argparse.ArgumentParser) -> None:
     kern = parser.add_argument_group("compilation and kernels")
     kern.add_argument(
         "--compile",
@@ -121,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--tf32", action="store_true", help="TF32 matmuls for fp32 (Ampere or newer GPUs)")
     kern.add_argument("--liger", action="store_true", help="Liger's Triton kernels (GPU, supported model types)")
 
+
+def _process_options(parser: argparse.ArgumentParser) -> None:
     dist = parser.add_argument_group("processes and machines")
     dist.add_argument("--num-processes", type=int, default=1, help="processes on all machines (default: 1)")
     dist.add_argument("--num-machines", type=int, default=1, help="default: %(default)s")
@@ -135,7 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
         "nn.DataParallel (default: %(default)s)",
     )
     dist.add_argument("--tp", type=int, help="tensor parallel over this many processes (a device mesh)")
-    return parser
 
 
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
@@ -304,25 +319,11 @@ def script_lines(strategy: Strategy, config_dir: Path) -> list[tuple[str, str]]:
     last line
     adds :class:`hfscale.callbacks.VerificationCallback`, which fails the run when what runs is not ``strategy``.
     """
-    from hfscale.techniques import activation_offload, fsdp_cpu, lora, mesh
+    from hfscale.techniques import activation_offload, fsdp_cpu, kernels, lora, mesh
 
     lines = mesh.script_lines(strategy)
-    if fsdp_cpu.needed(strategy):
-        lines.append(
-            (
-                "your script needs this line before TrainingArguments (without it accelerate runs DDP, not FSDP, "
-                "on CPU)",
-                fsdp_cpu.SCRIPT_LINE,
-            )
-        )
-    if strategy.attn_implementation is not None:
-        lines.append(
-            (
-                "the attention kernel is the model's, not TrainingArguments': build the model with it (from_config "
-                "or from_pretrained alike; it raises where the kernel is not available)",
-                f"model = AutoModelForXxx.from_pretrained(name, attn_implementation={strategy.attn_implementation!r})",
-            )
-        )
+    lines += fsdp_cpu.script_lines(strategy)
+    lines += kernels.script_lines(strategy)  # the attention kernel, chosen when the model is built
     lines += lora.script_lines(strategy)  # the LoraConfig (and QLoRA's BitsAndBytesConfig) keywords
     lines += activation_offload.script_lines(strategy)  # offload hooks; DeepSpeed's checkpoint function
     lines.append(

@@ -7,7 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from hfscale.recipes.catalog import resolve_recipe
-from hfscale.recipes.recipe import ShippedRecipe, shipped_recipes
+from hfscale.recipes.recipe import shipped_recipes
+from hfscale.recipes.schema import ShippedRecipe
 
 
 def _table(recipes: Sequence[ShippedRecipe]) -> list[str]:

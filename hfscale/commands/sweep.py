@@ -18,7 +18,8 @@ from typing import Any
 
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SettingError, SweepError, SweepSettings
-from hfscale.recipes.recipe import RecipeError, load_recipe
+from hfscale.recipes.recipe import load_recipe
+from hfscale.recipes.schema import RecipeError
 from hfscale.results.run_folder import RECIPE_FILE, RunFolderError
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
@@ -172,29 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = given if args.resume else launch.default_counts(given)
     try:
         if args.dry_run:
-            recipe_path = args.recipe or (args.resume / RECIPE_FILE if args.resume else None)
-            if recipe_path is None:
-                print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
-                return 2
-            for line in dry_run_lines(load_recipe(recipe_path), settings, launch):
-                print(line)
-            return 0
-        # Ctrl-C, a scheduler's SIGTERM and a closed terminal (SIGHUP) all end the running trial's group, then the
-        # sweep; a signal the caller chose to ignore (nohup) stays ignored.
-        previous = {s: signal.signal(s, _interrupt) for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-        outcome = run_sweep(
-            args.recipe,
-            out_dir=args.out_dir,
-            run_dir=args.run_dir,
-            resume=args.resume,
-            settings=settings,
-            launch=launch,
-            report=not args.no_report,
-            progress=_print,
-        )
-        # Not restored on an interrupt: the stop signals stay ignored until this process exits (see _interrupt).
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+            return _dry_run(args, settings, launch)
+        outcome = _sweep(args, settings, launch)
     except SweepStopped as exc:
         print(
             f"hfscale sweep: error: {exc}. Every row written before is kept in {exc.run_dir}; "
@@ -219,6 +199,45 @@ def main(argv: list[str] | None = None) -> int:
         _print(f"done: machine {launch.machine_rank}'s part; its logs are in {outcome.run_dir}, the rows on machine 0")
         return 0
     return _finish(outcome)
+
+
+def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchInfo) -> int:
+    """``--dry-run``: print the trials and their launch commands; the recipe is the run folder's with ``--resume``.
+
+    Raises:
+        RecipeError: for an invalid recipe.
+    """
+    recipe_path = args.recipe or (args.resume / RECIPE_FILE if args.resume else None)
+    if recipe_path is None:
+        print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
+        return 2
+    for line in dry_run_lines(load_recipe(recipe_path), settings, launch):
+        print(line)
+    return 0
+
+
+def _sweep(args: argparse.Namespace, settings: SweepSettings, launch: LaunchInfo) -> SweepOutcome:
+    """The sweep, with Ctrl-C, a scheduler's SIGTERM and a closed terminal (SIGHUP) each ending the running trial's
+    group, then the sweep; a signal the caller chose to ignore (nohup) stays ignored.
+
+    Raises:
+        as :func:`hfscale.sweep.loop.run_sweep`.
+    """
+    previous = {s: signal.signal(s, _interrupt) for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    outcome = run_sweep(
+        args.recipe,
+        out_dir=args.out_dir,
+        run_dir=args.run_dir,
+        resume=args.resume,
+        settings=settings,
+        launch=launch,
+        report=not args.no_report,
+        progress=_print,
+    )
+    # Not restored on an interrupt: the stop signals stay ignored until this process exits (see _interrupt).
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+    return outcome
 
 
 def _finish(outcome: SweepOutcome) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hfscale.configs.fsdp import fsdp_plugin_kwargs, parallelism_config
+from hfscale.configs.fsdp import fsdp_plugin_kwargs, hybrid_shard_section
 from hfscale.strategy import Strategy
 
 pass
@@ -77,6 +77,22 @@ def _deepspeed_section(strategy: Strategy, deepspeed_config_file: str | None) ->
     return section
 
 
+def _check_machine(strategy: Strategy, machine_rank: int, main_process_ip: str | None) -> None:
+    """Refuse a machine rank outside the strategy's machines, and several machines without machine 0's address."""
+    if (
+        isinstance(machine_rank, bool)
+        or not isinstance(machine_rank, int)
+        or not 0 <= machine_rank < strategy.num_machines
+    ):
+        raise ValueError(
+            f"machine_rank={machine_rank!r} is out of range for strategy.num_machines={strategy.num_machines}"
+        )
+    if strategy.num_machines > 1 and not main_process_ip:
+        raise ValueError(
+            f"strategy.num_machines={strategy.num_machines} needs main_process_ip (the address of machine 0)"
+        )
+
+
 def accelerate_config(
     strategy: Strategy,
     *,
@@ -103,18 +119,7 @@ def accelerate_config(
             DeepSpeed config file for a strategy without DeepSpeed, or NVMe offload without a DeepSpeed config
             file (accelerate does not pass NVMe paths from its YAML to the processes).
     """
-    if (
-        isinstance(machine_rank, bool)
-        or not isinstance(machine_rank, int)
-        or not 0 <= machine_rank < strategy.num_machines
-    ):
-        raise ValueError(
-            f"machine_rank={machine_rank!r} is out of range for strategy.num_machines={strategy.num_machines}"
-        )
-    if strategy.num_machines > 1 and not main_process_ip:
-        raise ValueError(
-            f"strategy.num_machines={strategy.num_machines} needs main_process_ip (the address of machine 0)"
-        )
+    _check_machine(strategy, machine_rank, main_process_ip)
     if deepspeed_config_file is not None and strategy.deepspeed is None:
         raise ValueError("deepspeed_config_file given, but the strategy uses no DeepSpeed")
     config: dict[str, Any] = {
@@ -144,7 +149,7 @@ def accelerate_config(
         config["deepspeed_config"] = _deepspeed_section(strategy, deepspeed_config_file)
     if strategy.fsdp is not None:
         config["fsdp_config"] = fsdp_plugin_kwargs(strategy, transformer_layer_cls=transformer_layer_cls)
-        mesh = accelerate_section(strategy) or parallelism_config(strategy)
+        mesh = accelerate_section(strategy) or hybrid_shard_section(strategy)
         if mesh:
             config["parallelism_config"] = mesh
     return config
@@ -204,7 +209,7 @@ def accelerate_section(strategy: Strategy) -> dict[str, Any]:
     """The accelerate YAML ``parallelism_config`` section (the keys ``accelerate launch`` reads, named as its
     ``--parallelism_config_*`` options), or empty where the YAML cannot carry the mesh: ``accelerate launch`` 1.15
     refuses it without FSDP2, so DDP + tensor parallel and DeepSpeed + sequence parallel take it through
-    ``TrainingArguments`` only (:func:`parallelism_config`)."""
+    ``TrainingArguments`` only (:func:`hfscale.techniques.mesh.accelerate_parallelism_config`)."""
     p = strategy.parallelism
     if p is None or strategy.fsdp is None or strategy.fsdp.version != 2:
         return {}

@@ -95,8 +95,13 @@ def fsdp_training_args(strategy: Strategy, *, transformer_layer_cls: str | None 
     return {"fsdp": True, "fsdp_config": settings}
 
 
-def parallelism_config(strategy: Strategy) -> dict[str, Any]:
-    """accelerate's ``parallelism_config`` YAML section: the 2-D mesh FSDP2 uses for ``hybrid_shard``, else empty."""
+def hybrid_shard_section(strategy: Strategy) -> dict[str, Any]:
+    """accelerate's ``parallelism_config`` YAML section for ``hybrid_shard``: the 2-D mesh FSDP2 uses, else empty.
+
+    The same section for a ``strategy.parallelism`` mesh is :func:`hfscale.configs.accelerate.accelerate_section`;
+    the mesh as the object ``TrainingArguments`` takes is
+    :func:`hfscale.techniques.mesh.accelerate_parallelism_config`.
+    """
     spec = strategy.fsdp
     if spec is None or spec.version != 2 or spec.sharding != "hybrid_shard":
         return {}
@@ -108,4 +113,4 @@ def parallelism_config(strategy: Strategy) -> dict[str, Any]:
     }
 
 
-__all__ = ["fsdp_plugin_kwargs", "fsdp_training_args", "parallelism_config"]
+__all__ = ["fsdp_plugin_kwargs", "fsdp_training_args", "hybrid_shard_section"]

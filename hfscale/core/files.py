@@ -17,16 +17,25 @@ def utc_from_epoch(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a sibling temporary file, then renamed over ``path``.
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into a sibling temporary file, then renamed over ``path``.
 
     A reader (another machine's driver, a report on a live run) sees the old file or the new one, never half of one;
     a crash leaves at most the temporary file. The rename is atomic within one file system (POSIX ``rename``).
+    Text is written as UTF-8; bytes as they are (a file rewritten from the lines it held keeps them byte for byte).
+
+    Args:
+        fsync: flush the temporary file to the disk before the rename, so that after a power loss the file is the
+            new one, whole, or the old one (costs one disk flush; for records that cannot be written again).
     """
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

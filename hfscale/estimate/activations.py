@@ -32,6 +32,48 @@ class ActivationBytes:
     """Bytes held in host memory instead under activation offload on CUDA (``saved`` is what stays on the device)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Sizes:
+    """One micro-batch's dimensions and the bytes per element of each kind of saved tensor."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+    matmul: int
+    """Bytes of a matmul input or output: 2 under 16-bit precision, else 4."""
+    residual: int
+    """Bytes of the residual stream and LayerNorm inputs: 2 only when the whole module is cast to 16 bits."""
+    mixed: bool
+    """16-bit precision (fp16 or bf16), by autocast or by casting the module."""
+    autocast: bool
+    """16-bit precision by autocast (the module stays fp32)."""
+    on_cuda: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def ln_stats(self) -> int:
+        """A LayerNorm's saved mean and rstd, fp32."""
+        return 2 * 4 * self.tokens
+
+    @property
+    def scores(self) -> int:
+        """Elements of one layer's s² attention scores."""
+        return self.heads * self.seq * self.seq * self.batch
+
+    def mask(self, p: float, input_bytes: int) -> int:
+        """Bytes per element of a dropout mask: one on CUDA (bool), the input's size on the CPU; none without
+        dropout."""
+        if p <= 0:
+            return 0
+        return 1 if self.on_cuda else input_bytes
+
+
 def activation_bytes(
     shape: ModelShape,
     *,
@@ -47,84 +89,34 @@ def activation_bytes(
 
     Args:
         half_module: the whole module is cast to 16 bits (DeepSpeed bf16/fp16): no autocast, half residual stream.
-        activation_offload: saved tensors go to host memory in forward (hfscale.techniques.activation_offload); on CUDA
-        one
-            layer's are back on the device at a time in backward. On the CPU it changes nothing.
+        activation_offload: saved tensors go to host memory in forward (hfscale.techniques.activation_offload); on
+            CUDA one layer's are back on the device at a time in backward. On the CPU it changes nothing.
 
     Raises:
         ValueError: on a non-positive batch size or sequence length.
     """
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
-    b, s = batch_size, seq_len
-    h, a, i, v = (shape.hidden_size, max(shape.num_heads, 1), shape.intermediate_size, shape.vocab_size)
-    tokens = b * s
     mixed = precision in ("fp16", "bf16")
-    c = 2 if mixed else 4  # matmul inputs/outputs
-    autocast = mixed and not half_module
-    r = 2 if half_module and mixed else 4  # residual stream and LayerNorm inputs
-    on_cuda = device == "cuda"
-
-    def mask(p: float, input_bytes: int) -> int:
-        if p <= 0:
-            return 0
-        return 1 if on_cuda else input_bytes
-
-    ln_stats = 2 * 4 * tokens  # mean and rstd, fp32
-    # attention core
-    if shape.attn_implementation == "eager":
-        scores = a * s * s * b
-        # fp32 softmax output, and the probabilities the value matmul reads: the same tensor when they stay fp32
-        # and no dropout runs (measured: one fp32 s² tensor per layer, tiny BERT fp32 on CPU, tests/test_kernels.py)
-        probs = c if (mixed or shape.attention_dropout > 0) else 0
-        core = 3 * c * tokens * h + scores * (4 + mask(shape.attention_dropout, c) + probs)
-        path = "eager (s² scores kept)"
-    elif not on_cuda and shape.attention_dropout > 0:
-        scores = a * s * s * b
-        core = 3 * 4 * tokens * h + scores * (4 + 4 + 4)  # math path upcasts to fp32
-        path = "sdpa math (CPU with attention dropout: s² scores kept, fp32)"
-    else:
-        core = 3 * c * tokens * h + 4 * b * a * s  # q, k, v + logsumexp; the output is the projection input
-        path = "sdpa fused (flash / memory-efficient: no s² term)"
-    qkv_inputs = 3 if (autocast and shape.separate_qkv) else 1
-    mlp_tensors = {"gelu_new": 5, "gelu_fast": 5, "relu": 1}.get(shape.activation, 2)
-    per_layer = (
-        qkv_inputs * c * tokens * h  # QKV projection input
-        + core
-        + c * tokens * h  # output projection input
-        + mask(shape.hidden_dropout, c) * tokens * h  # attention output dropout
-        + 2 * (r * tokens * h + ln_stats)  # two LayerNorm inputs
-        + c * tokens * h  # first MLP matmul input
-        + mlp_tensors * c * tokens * i  # activation input/output, second matmul input
-        + mask(shape.hidden_dropout, c) * tokens * h  # MLP output dropout
-    )
-
-    # outside the layers
-    outside = 8 * tokens + r * tokens * h + ln_stats + mask(shape.embedding_dropout, r) * tokens * h
-    transient = 0
-    if shape.family == "bert":
-        outside += 8 * tokens  # token type ids
-    if shape.task == "causal_lm":
-        if shape.family != "bert":
-            outside += r * tokens * h + ln_stats  # final LayerNorm input
-        outside += c * tokens * h + 4 * tokens * v  # LM head input; fp32 log-softmax saved by the loss
-        transient = 8 * tokens * v  # the log-softmax gradient and the logits gradient at the backward start
-    elif shape.family == "bert":
-        # pooler: without autocast its [:, 0] view keeps the last hidden state's storage alive
-        outside += (r * tokens * h if not autocast else c * b * h) + 3 * c * b * h
-    else:
-        outside += r * tokens * h + ln_stats  # final LayerNorm input of a decoder classifier
-
+    sz = _Sizes(
+        batch=batch_size, seq=seq_len, hidden=shape.hidden_size, heads=max(shape.num_heads, 1),
+        intermediate=shape.intermediate_size, vocab=shape.vocab_size, matmul=2 if mixed else 4,
+        residual=2 if half_module and mixed else 4, mixed=mixed, autocast=mixed and not half_module,
+        on_cuda=device == "cuda",
+    )  # fmt: skip
+    core, path = _attention_core(shape, sz)
+    per_layer = _per_layer(shape, sz, core)
+    outside, transient = _outside_layers(shape, sz)
     layers = shape.num_layers
     if gradient_checkpointing:
-        layers_kept = layers * r * tokens * h
+        layers_kept = layers * sz.residual * sz.tokens * sz.hidden
         recompute = per_layer
     else:
         layers_kept = layers * per_layer
         recompute = 0
     saved = layers_kept + recompute + outside
     offloaded = 0
-    if activation_offload and on_cuda:
+    if activation_offload and sz.on_cuda:
         # Everything saved goes through the hooks, the checkpointed layers' inputs too (torch's non-reentrant
         # checkpoint saves them with save_for_backward); the backward pass brings back one layer's at a time.
         offloaded = saved - per_layer
@@ -139,6 +131,59 @@ def activation_bytes(
         outside_layers=outside,
         attention_path=path,
     )
+
+
+def _attention_core(shape: ModelShape, sz: _Sizes) -> tuple[int, str]:
+    """Bytes one layer's attention core saves (q, k, v and what the kernel keeps), and which path it takes."""
+    c, th = sz.matmul, sz.tokens * sz.hidden
+    if shape.attn_implementation == "eager":
+        # fp32 softmax output, and the probabilities the value matmul reads: the same tensor when they stay fp32
+        # and no dropout runs (measured: one fp32 s² tensor per layer, tiny BERT fp32 on CPU, tests/test_kernels.py)
+        probs = c if (sz.mixed or shape.attention_dropout > 0) else 0
+        core = 3 * c * th + sz.scores * (4 + sz.mask(shape.attention_dropout, c) + probs)
+        return core, "eager (s² scores kept)"
+    if not sz.on_cuda and shape.attention_dropout > 0:
+        core = 3 * 4 * th + sz.scores * (4 + 4 + 4)  # math path upcasts to fp32
+        return core, "sdpa math (CPU with attention dropout: s² scores kept, fp32)"
+    core = 3 * c * th + 4 * sz.batch * sz.heads * sz.seq  # q, k, v + logsumexp; the output is the projection input
+    return core, "sdpa fused (flash / memory-efficient: no s² term)"
+
+
+def _per_layer(shape: ModelShape, sz: _Sizes, core: int) -> int:
+    """Bytes one transformer layer saves without checkpointing, its attention core ``core`` included."""
+    c, r, th = sz.matmul, sz.residual, sz.tokens * sz.hidden
+    qkv_inputs = 3 if (sz.autocast and shape.separate_qkv) else 1
+    mlp_tensors = {"gelu_new": 5, "gelu_fast": 5, "relu": 1}.get(shape.activation, 2)
+    return (
+        qkv_inputs * c * th  # QKV projection input
+        + core
+        + c * th  # output projection input
+        + sz.mask(shape.hidden_dropout, c) * th  # attention output dropout
+        + 2 * (r * th + sz.ln_stats)  # two LayerNorm inputs
+        + c * th  # first MLP matmul input
+        + mlp_tensors * c * sz.tokens * sz.intermediate  # activation input/output, second matmul input
+        + sz.mask(shape.hidden_dropout, c) * th  # MLP output dropout
+    )
+
+
+def _outside_layers(shape: ModelShape, sz: _Sizes) -> tuple[int, int]:
+    """Bytes saved outside the layers (embeddings, head, loss), and the loss's transient logits-sized buffers."""
+    c, r, tokens, th = sz.matmul, sz.residual, sz.tokens, sz.tokens * sz.hidden
+    outside = 8 * tokens + r * th + sz.ln_stats + sz.mask(shape.embedding_dropout, r) * th
+    transient = 0
+    if shape.family == "bert":
+        outside += 8 * tokens  # token type ids
+    if shape.task == "causal_lm":
+        if shape.family != "bert":
+            outside += r * th + sz.ln_stats  # final LayerNorm input
+        outside += c * th + 4 * tokens * sz.vocab  # LM head input; fp32 log-softmax saved by the loss
+        transient = 8 * tokens * sz.vocab  # the log-softmax gradient and the logits gradient at the backward start
+    elif shape.family == "bert":
+        # pooler: without autocast its [:, 0] view keeps the last hidden state's storage alive
+        outside += (r * th if not sz.autocast else c * sz.batch * sz.hidden) + 3 * c * sz.batch * sz.hidden
+    else:
+        outside += r * th + sz.ln_stats  # final LayerNorm input of a decoder classifier
+    return outside, transient
 
 
 __all__ = ["ActivationBytes", "activation_bytes"]

@@ -8,10 +8,11 @@ are never held at once (docs/estimate.md, "Gradients and activations").
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hfscale.core.units import GIB
-from hfscale.estimate.activations import activation_bytes
+from hfscale.estimate.activations import ActivationBytes, activation_bytes
 from hfscale.estimate.lora import SHARDED_LORA_NOTE, lora_states, trainable_shape
 from hfscale.estimate.optimizer import optimizer_state_bytes, optimizer_step_temp_bytes, sgd_momentum
 from hfscale.estimate.shape import ModelShape, describe_model, model_shape_from_module
@@ -69,25 +70,45 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
         # the trial builds the model with the strategy's kernel (hfscale.workload.model.build_model): eager keeps s²
         # scores
         shape = dataclasses.replace(shape, attn_implementation=strategy.attn_implementation)
-    n = shape.num_params
-    device = strategy.device
-    optimizer = strategy.resolved_optimizer
     trained = trainable_shape(shape, strategy) or shape  # LoRA: optimizer states for the adapters only
-    optimizer_bytes = optimizer_state_bytes(trained, optimizer, device=device, momentum=sgd_momentum(training_args))
+    momentum = sgd_momentum(training_args)
+    optimizer_bytes = optimizer_state_bytes(
+        trained, strategy.resolved_optimizer, device=strategy.device, momentum=momentum
+    )
     states = model_states(shape, strategy, optimizer_bytes=optimizer_bytes)
-    notes = list(states.notes)
-    overhead = dict(states.overhead)
-
     act = activation_bytes(
         shape,
         batch_size=strategy.per_device_batch_size,
         seq_len=seq_len,
         precision=strategy.precision,
-        device=device,
+        device=strategy.device,
         gradient_checkpointing=strategy.gradient_checkpointing,
         half_module=states.half_module,
         activation_offload=strategy.activation_offload,
     )
+    peak = _peak(shape, trained, strategy, states, act)
+    return _memory_estimate(shape, strategy, seq_len, states, act, peak)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Peak:
+    """What the sum of the parts does not say by itself: the overheads, and what is never held at once."""
+
+    overhead: dict[str, int]
+    """Bytes by overhead part (the engine's, the loss's buffers, the optimizer step's excess, cuBLAS)."""
+    overlap: int
+    """Bytes subtracted from the sum: gradients created while the activations are freed."""
+    notes: list[str]
+
+
+def _peak(
+    shape: ModelShape, trained: ModelShape, strategy: Strategy, states: ModelStates, act: ActivationBytes
+) -> _Peak:
+    """The overheads at the peak, and the overlap of gradients with activations (docs/estimate.md, "Gradients and
+    activations")."""
+    device, optimizer = strategy.device, strategy.resolved_optimizer
+    notes = list(states.notes)
+    overhead = dict(states.overhead)
     if act.transient:
         overhead["loss_buffers"] = act.transient
     forward_extra = act.saved + overhead.get("autocast_weight_copies", 0) + act.transient
@@ -113,29 +134,29 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
         notes.append(f"activations of {shape.model_type!r} use the generic pre-LN inventory (approximate)")
     if optimizer == "paged_adamw_8bit" and device == "cuda":
         notes.append("paged optimizer states live in CUDA managed memory: counted, but outside torch's allocator")
+    return _Peak(overhead=overhead, overlap=overlap, notes=notes)
 
-    parts = {
-        "weights": states.weights,
-        "gradients": states.gradients,
-        "optimizer": states.optimizer,
-        "activations": act.saved,
-        "overhead": sum(overhead.values()),
-    }
-    total = sum(parts.values()) - overlap
+
+def _memory_estimate(
+    shape: ModelShape, strategy: Strategy, seq_len: int, states: ModelStates, act: ActivationBytes, peak: _Peak
+) -> MemoryEstimate:
+    """The parts added into the estimate record, in GiB."""
+    overhead_bytes = sum(peak.overhead.values())
+    total = states.weights + states.gradients + states.optimizer + act.saved + overhead_bytes - peak.overlap
     return MemoryEstimate(
-        weights_gib=parts["weights"] / GIB,
-        gradients_gib=parts["gradients"] / GIB,
-        optimizer_gib=parts["optimizer"] / GIB,
-        activations_gib=parts["activations"] / GIB,
-        overhead_gib=parts["overhead"] / GIB,
+        weights_gib=states.weights / GIB,
+        gradients_gib=states.gradients / GIB,
+        optimizer_gib=states.optimizer / GIB,
+        activations_gib=act.saved / GIB,
+        overhead_gib=overhead_bytes / GIB,
         total_gib=total / GIB,
-        overlap_gib=overlap / GIB,
-        device=device,
-        num_params=n,
+        overlap_gib=peak.overlap / GIB,
+        device=strategy.device,
+        num_params=shape.num_params,
         largest_layer_params=shape.largest_layer_params,
         batch_size=strategy.per_device_batch_size,
         seq_len=seq_len,
-        overhead_parts_gib={k: v / GIB for k, v in overhead.items()},
+        overhead_parts_gib={k: v / GIB for k, v in peak.overhead.items()},
         activation_parts={
             "family": shape.family,
             "attention_path": act.attention_path,
@@ -144,7 +165,7 @@ def _estimate(shape: ModelShape, strategy: Strategy, *, seq_len: int, training_a
             "recompute_bytes": act.recompute,
             "outside_layers_bytes": act.outside_layers,
         },
-        notes=tuple(notes),
+        notes=tuple(peak.notes),
     )
 
 

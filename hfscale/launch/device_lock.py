@@ -23,8 +23,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hfscale.core.files import utc_now
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +95,21 @@ def _open_dir(path: Path) -> None:
             path.chmod(0o1777)  # every user's sweeps share it, as /tmp itself
 
 
+def _default_wait_s() -> float:
+    raw = os.environ.get(WAIT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_WAIT_S
+    except ValueError:
+        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds") from None
+
+
+def _default_share() -> bool:
+    mode = os.environ.get(MODE_ENV, "wait").strip().lower()
+    if mode not in ("wait", "share"):
+        raise ValueError(f"{MODE_ENV}={mode!r}: expected 'wait' or 'share'")
+    return mode == "share"
+
+
 @contextlib.contextmanager
 def hold_devices(
     devices: Sequence[str],
@@ -115,19 +135,10 @@ def hold_devices(
     Raises:
         DeviceBusyError: when a device is still held after ``wait_s``; nothing is held then.
     """
-    from filelock import FileLock, Timeout
+    from filelock import FileLock
 
-    if wait_s is None:
-        raw = os.environ.get(WAIT_ENV)
-        try:
-            wait_s = float(raw) if raw else DEFAULT_WAIT_S
-        except ValueError:
-            raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds") from None
-    if share is None:
-        mode = os.environ.get(MODE_ENV, "wait").strip().lower()
-        if mode not in ("wait", "share"):
-            raise ValueError(f"{MODE_ENV}={mode!r}: expected 'wait' or 'share'")
-        share = mode == "share"
+    wait_s = _default_wait_s() if wait_s is None else wait_s
+    share = _default_share() if share is None else share
     folder = directory or lock_dir()
     try:
         _open_dir(folder)
@@ -140,37 +151,12 @@ def hold_devices(
     start = time.monotonic()
     try:
         for device in sorted(set(devices)):
-            path = folder / f"{device}.lock"
-            lock = FileLock(path, mode=0o666)
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                if share:
-                    shared.append(_holder(path))
-                    continue
-                progress(f"device {device} is in use by another sweep ({_holder(path)}); waiting for it")
-                next_report = time.monotonic() + REPORT_EVERY_S
-                while True:
-                    try:
-                        lock.acquire(timeout=1.0)
-                        break
-                    except Timeout:
-                        waited = time.monotonic() - start
-                        if waited >= wait_s:
-                            raise DeviceBusyError(
-                                f"device {device} is still in use after {waited:.0f} s ({_holder(path)}); "
-                                f"nothing of this trial ran (wait longer with {WAIT_ENV}, or run next to it with "
-                                f"{MODE_ENV}=share)"
-                            ) from None
-                        if time.monotonic() >= next_report:
-                            progress(f"device {device}: still waiting ({waited:.0f} s), {_holder(path)}")
-                            next_report = time.monotonic() + REPORT_EVERY_S
+            lock = FileLock(folder / f"{device}.lock", mode=0o666)
+            if not _take(lock, device, share=share, since=start, wait_s=wait_s, progress=progress):
+                shared.append(_holder(Path(lock.lock_file)))
+                continue
             held.append(lock)
-            me = {"pid": os.getpid(), "host": socket.gethostname(), "run_dir": str(Path(run_dir).resolve()),
-                  "trial": trial, "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
-            with contextlib.suppress(OSError), open(path, "r+", encoding="utf-8") as fh:  # never truncated on open
-                fh.truncate(0)
-                fh.write(json.dumps(me) + "\n")
+            _sign(Path(lock.lock_file), run_dir=run_dir, trial=trial)
         waited_s = time.monotonic() - start
         if shared:
             progress(f"running next to another sweep on the same device ({'; '.join(shared)})")
@@ -180,6 +166,53 @@ def hold_devices(
             with contextlib.suppress(OSError), open(lock.lock_file, "r+", encoding="utf-8") as fh:
                 fh.truncate(0)
             lock.release()
+
+
+def _take(
+    lock: FileLock, device: str, *, share: bool, since: float, wait_s: float, progress: Callable[[str], None]
+) -> bool:
+    """Take ``lock`` (waiting for its holder at most ``wait_s`` from ``since``); False when it is held and the
+    trial is to run next to its holder (``share``).
+
+    Raises:
+        DeviceBusyError: when it is still held after ``wait_s``.
+    """
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=0)
+        return True
+    except Timeout:
+        if share:
+            return False
+    path = Path(lock.lock_file)
+    progress(f"device {device} is in use by another sweep ({_holder(path)}); waiting for it")
+    next_report = time.monotonic() + REPORT_EVERY_S
+    while True:
+        try:
+            lock.acquire(timeout=1.0)
+            return True
+        except Timeout:
+            waited = time.monotonic() - since
+            if waited >= wait_s:
+                raise DeviceBusyError(
+                    f"device {device} is still in use after {waited:.0f} s ({_holder(path)}); "
+                    f"nothing of this trial ran (wait longer with {WAIT_ENV}, or run next to it with "
+                    f"{MODE_ENV}=share)"
+                ) from None
+            if time.monotonic() >= next_report:
+                progress(f"device {device}: still waiting ({waited:.0f} s), {_holder(path)}")
+                next_report = time.monotonic() + REPORT_EVERY_S
+
+
+def _sign(path: Path, *, run_dir: str | os.PathLike[str], trial: str) -> None:
+    """Write who holds the lock into its file, for another sweep's waiting line. The file is rewritten in place,
+    never replaced: the lock is an ``flock`` on this very file, and a renamed-in copy would be another file."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "run_dir": str(Path(run_dir).resolve()),
+          "trial": trial, "since": utc_now()}  # fmt: skip
+    with contextlib.suppress(OSError), open(path, "r+", encoding="utf-8") as fh:  # never truncated on open
+        fh.truncate(0)
+        fh.write(json.dumps(me) + "\n")
 
 
 __all__ = [

@@ -1,12 +1,13 @@
-"""Launching one trial: its configs, its process group, and what came back, as a typed row.
+"""Launching one trial's process group: its configs, its environment, its devices, and what came back.
 
 The sweep's driver never joins a process group itself: for each trial it writes the trial's configs
 (:func:`hfscale.configs.write_configs`) and starts ``accelerate launch ... -m hfscale.trial`` as a new session
 (:func:`hfscale.launch.process.run_process_group`) with a free port and a clean environment (no ``RANK``,
 ``MASTER_PORT``, ``ACCELERATE_*``, ... of an outer launch), so that nothing of one trial (memory, accelerate state,
 a hung collective) reaches the next. The trial's ``result.json`` is read back as a
-:class:`~hfscale.records.row.TrialOutcome` and becomes, unchanged, the row's ``measured``; a group that wrote none is
-classified from its exit and stderr (:func:`hfscale.launch.failures.classify`).
+:class:`~hfscale.records.row.TrialOutcome` (:class:`Launched`), which :mod:`hfscale.launch.rows` turns into the row:
+unchanged as its ``measured``, or, when the group wrote none, classified from its exit and stderr
+(:func:`hfscale.launch.failures.classify`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,28 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from hfscale.configs.accelerate import visible_devices
+from hfscale.core.files import utc_now
 from hfscale.core.units import GIB
 from hfscale.launch.activity import ActivitySampler
 from hfscale.launch.device_lock import DeviceHold, hold_devices, trial_devices
-from hfscale.launch.failures import Classification, classify, oom_killed_count, stderr_excerpt
+from hfscale.launch.failures import Classification, classify, oom_killed_count
 from hfscale.launch.plan import PlannedRun, SweepSettings
-from hfscale.launch.process import ProcessOutcome, clean_environment, free_port, run_process_group, tail
-from hfscale.recipes.recipe import RecipeTrial
+from hfscale.launch.process import (
+    GroupHooks,
+    GroupLimits,
+    ProcessOutcome,
+    clean_environment,
+    free_port,
+    run_process_group,
+    tail,
+)
+from hfscale.recipes.schema import RecipeTrial
 from hfscale.records.activity import MachineActivity
 from hfscale.records.batch import ProbeOutcome
-from hfscale.records.row import LaunchRecord, TrialOutcome, TrialResult
+from hfscale.records.row import TrialOutcome
 from hfscale.results.run_folder import (
     LAUNCHER_LOGS_DIR,
     PID_FILE,
@@ -42,7 +50,6 @@ from hfscale.results.run_folder import (
     STDERR_FILE,
     STDOUT_FILE,
     TRIAL_TMP_DIR,
-    RunFolder,
     RunFolderWriteError,
 )
 
@@ -107,10 +114,6 @@ class LaunchInfo:
             num_processes=settings.num_processes if settings.num_processes is not None else self.world_size,
             num_machines=settings.num_machines if settings.num_machines is not None else self.num_machines,
         )
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def trial_command(
@@ -292,25 +295,58 @@ def trial_temp_dir(files_dir: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupRequest:
+    """What launching one trial's process group needs (:func:`launch_group`): the trial, where its configs and files
+    go, and where it sits among machines. A sweep's run (:func:`hfscale.launch.rows.launch_trial`), a batch-search
+    probe, another machine's part of a run and the machines of one host each build one."""
+
+    trial: RecipeTrial
+    configs_dir: Path
+    """Where the trial's configs and spec are written."""
+    files_dir: Path
+    """Where its stdout, stderr, pid file and ``result.json`` go."""
+    port: int
+    """The trial's rendezvous port (:func:`trial_port`)."""
+    launch: LaunchInfo
+    """This driver's place among machines (its machine rank and machine 0's address)."""
+    settings: SweepSettings
+    """The limits the command line sets over the recipe's."""
+    python: str = sys.executable
+    """The interpreter that runs ``accelerate launch``."""
+    run_dir: Path | None = None
+    """The run folder the device locks name as their holder (default ``files_dir``)."""
+    lock_devices: bool = True
+    """False leaves the device locks to the caller (several machines' groups of one trial on one host, which must
+    run at once: :func:`hfscale.launch.machines.launch_machines_here`)."""
+
+    @property
+    def memory_limit_gib(self) -> float | None:
+        """``--memory-limit-gib`` over the recipe's ``run.memory_limit_gib``."""
+        given = self.settings.memory_limit_gib
+        return given if given is not None else self.trial.run.memory_limit_gib
+
+    @property
+    def timeout_s(self) -> float:
+        """``--timeout-s`` over the recipe's ``measure.timeout_s``."""
+        given = self.settings.timeout_s
+        return given if given is not None else self.trial.spec.measure.timeout_s
+
+    def limits(self) -> GroupLimits:
+        gib = self.memory_limit_gib
+        return GroupLimits(timeout_s=self.timeout_s, memory_limit_bytes=int(gib * GIB) if gib else None)
+
+
 def launch_group(
-    trial: RecipeTrial,
-    configs_dir: Path,
-    files_dir: Path,
+    request: GroupRequest,
     *,
-    port: int,
-    launch: LaunchInfo,
-    settings: SweepSettings,
-    python: str = sys.executable,
-    on_tick: Callable[[float], None] | None = None,
     progress: Callable[[str], None] = logger.info,
-    run_dir: Path | None = None,
-    lock_devices: bool = True,
+    on_tick: Callable[[float], None] | None = None,
 ) -> Launched:
-    """Write the trial's configs, run its process group (limits from ``settings`` over the recipe's) and read what
+    """Write the trial's configs, run its process group (limits from the settings over the recipe's) and read what
     it left: the result file and the end of stderr. The group holds its devices' locks while it runs (another
-    sweep's trial on them is waited for: ``progress`` names it) and has its own ``TMPDIR``
-    (:func:`trial_temp_dir`). ``lock_devices=False`` leaves the locks to the caller (several machines' groups of
-    one trial on one host, which must run at once: :func:`hfscale.launch.machines.launch_machines_here`).
+    sweep's trial on them is waited for: ``progress`` names it) unless ``request.lock_devices`` is False, and has
+    its own ``TMPDIR`` (:func:`trial_temp_dir`). ``on_tick`` gets the elapsed seconds every 30 s.
 
     Raises:
         KeyboardInterrupt: when interrupted; the group has been ended.
@@ -318,106 +354,36 @@ def launch_group(
         DeviceBusyError: when another sweep held a device for longer than the sweep waits.
         OSError: when the launcher cannot be started.
     """
-    try:
-        files_dir.mkdir(parents=True, exist_ok=True)
-        result_path = files_dir / RESULT_FILE
-        result_path.unlink(missing_ok=True)  # left by an interrupted earlier attempt
-        cmd = trial_command(trial, configs_dir, files_dir, launch=launch, port=port, python=python)
-    except OSError as exc:
-        raise RunFolderWriteError(Path(exc.filename) if exc.filename else configs_dir, exc) from exc
-    memory_limit_gib = (
-        settings.memory_limit_gib if settings.memory_limit_gib is not None else trial.run.memory_limit_gib
-    )
-    timeout_s = settings.timeout_s if settings.timeout_s is not None else trial.spec.measure.timeout_s
-    env = clean_environment(extra={"PYTHONUNBUFFERED": "1", **trial.run.env})
-    direct = direct_command(cmd, env)
-    if direct is not None:
-        cmd, env = direct
+    cmd, env = _command(request)
     oom_before = oom_killed_count()
-    strategy = trial.spec.strategy
-    held = contextlib.ExitStack()  # the devices' locks and the TMPDIR, until the group has ended
-    with held:
-        return _run_held(
-            held,
-            trial,
-            cmd,
-            env,
-            files_dir,
-            strategy,
-            timeout_s,
-            memory_limit_gib,
-            oom_before,
-            port,
-            run_dir=run_dir,
-            progress=progress,
-            on_tick=on_tick,
-            lock_devices=lock_devices,
-        )
-
-
-def _run_held(
-    held: contextlib.ExitStack,
-    trial: RecipeTrial,
-    cmd: list[str],
-    env: dict[str, str],
-    files_dir: Path,
-    strategy: Any,
-    timeout_s: float,
-    memory_limit_gib: float | None,
-    oom_before: int | None,
-    port: int,
-    *,
-    run_dir: Path | None,
-    progress: Callable[[str], None],
-    on_tick: Callable[[float], None] | None,
-    lock_devices: bool = True,
-) -> Launched:
-    """The rest of :func:`launch_group` with ``held`` open: every lock and folder entered on it is released when
-    it closes, whatever fails on the way."""
-    device_hold = None
-    devices = trial_devices(strategy.device, strategy.num_processes // strategy.num_machines, {**os.environ, **env})
-    env.update(visible_devices(strategy, devices))  # data_parallel "dp": its one process sees exactly these GPUs
-    if lock_devices:
-        device_hold = held.enter_context(
-            hold_devices(
-                devices,
-                run_dir=run_dir or files_dir,
-                trial=trial.name,
-                progress=progress,
+    files_dir = request.files_dir
+    with contextlib.ExitStack() as held:  # the devices' locks and the TMPDIR, until the group has ended
+        device_hold = _hold(held, request, env, progress)
+        started_at = utc_now()
+        sampler = ActivitySampler()
+        try:
+            outcome = run_process_group(
+                cmd,
+                env=env,
+                stdout_path=files_dir / STDOUT_FILE,
+                stderr_path=files_dir / STDERR_FILE,
+                pid_file=files_dir / PID_FILE,
+                limits=request.limits(),
+                hooks=GroupHooks(on_start=sampler.start, on_tick=on_tick),
             )
-        )
-    try:
-        env["TMPDIR"] = str(held.enter_context(trial_temp_dir(files_dir)))
-    except OSError as exc:
-        raise RunFolderWriteError(Path(exc.filename) if exc.filename else files_dir, exc) from exc
-    started_at = utc_now()
-    sampler = ActivitySampler()
-    try:
-        outcome = run_process_group(
-            cmd,
-            env=env,
-            stdout_path=files_dir / STDOUT_FILE,
-            stderr_path=files_dir / STDERR_FILE,
-            timeout_s=timeout_s,
-            memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
-            pid_file=files_dir / PID_FILE,
-            on_tick=on_tick,
-            on_start=sampler.start,
-        )
-    finally:
-        activity = sampler.stop()
-        finished_at = utc_now()
-        held.close()  # the locks go as soon as the group has ended, before the result is read
-    # Search well back for the error (torchrun's failure table comes after the workers' tracebacks).
-    stderr_text = tail(files_dir / STDERR_FILE, max_lines=2000, max_bytes=256 * 1024)
+        finally:
+            activity = sampler.stop()
+            finished_at = utc_now()
+            held.close()  # the locks go as soon as the group has ended, before the result is read
     return Launched(
         command=cmd,
-        port=port,
+        port=request.port,
         outcome=outcome,
         measured=read_measured(files_dir / RESULT_FILE),
-        stderr_text=stderr_text,
-        memory_limit_gib=memory_limit_gib,
-        timeout_s=timeout_s,
+        # Search well back for the error (torchrun's failure table comes after the workers' tracebacks).
+        stderr_text=tail(files_dir / STDERR_FILE, max_lines=2000, max_bytes=256 * 1024),
+        memory_limit_gib=request.memory_limit_gib,
+        timeout_s=request.timeout_s,
         oom_kills_before=oom_before,
         started_at=started_at,
         finished_at=finished_at,
@@ -426,111 +392,63 @@ def _run_held(
     )
 
 
-def planned_row(
-    run: PlannedRun, *, baseline: str, status: str, reason: str | None = None, **fields: Any
-) -> TrialResult:
-    """A row for ``run`` with what the plan knows (strategy, repeat, estimate) and ``fields``."""
-    strategy = run.trial.spec.strategy
-    return TrialResult(
-        trial=run.name,
-        repeat=run.repeat,
-        repeats=run.repeats,
-        strategy=strategy,
-        description=strategy.describe(),
-        is_baseline=run.name == baseline,
-        status=status,  # type: ignore[arg-type]
-        reason=reason,
-        estimate=run.estimate,
-        estimate_error=run.estimate_error,
-        **fields,
-    )
-
-
-def launch_trial(
-    run: PlannedRun,
-    folder: RunFolder,
-    *,
-    baseline: str,
-    launch: LaunchInfo,
-    settings: SweepSettings,
-    python: str = sys.executable,
-    on_tick: Callable[[float], None] | None = None,
-    progress: Callable[[str], None] = logger.info,
-) -> TrialResult:
-    """Launch one run of a trial (or not, when it is to be skipped) and turn how it ended into a row; nothing is
-    appended here.
+def _command(request: GroupRequest) -> tuple[list[str], dict[str, str]]:
+    """Write the trial's configs (and clear a result an interrupted attempt left); the command that starts its group
+    and that command's clean environment (:func:`direct_command`'s where accelerate would start one process).
 
     Raises:
-        KeyboardInterrupt: when interrupted; the trial's process group has been ended.
-        RunFolderWriteError: when its configs cannot be written.
-        DeviceBusyError: when another sweep held its devices for longer than the sweep waits.
-        OSError: when its launcher cannot be started.
+        RunFolderWriteError: when the configs cannot be written.
     """
-    if run.skip_reason is not None:
-        return planned_row(run, baseline=baseline, status="skipped", reason=run.skip_reason)
-    files_dir = folder.repeat_dir(run.name, run.repeat, run.repeats)
-    launched = launch_group(
-        run.trial,
-        folder.trial_dir(run.name),
-        files_dir,
-        port=trial_port(run, launch),
-        launch=launch,
-        settings=settings,
-        python=python,
-        on_tick=on_tick,
-        progress=progress,
-        run_dir=folder.path,
-    )
-    outcome, measured = launched.outcome, launched.measured
-    after_result = None
-    if measured is not None and not launched.exited_cleanly:
-        # The trial measured and wrote its result: that stands even if the group then failed to exit cleanly.
-        failure = launched.failure()
-        after_result = f"{failure.status}: {failure.reason}"
-    record = LaunchRecord(
-        command=launched.command,
-        main_process_port=launched.port,
-        memory_limit_gib=launched.memory_limit_gib,
-        timeout_s=launched.timeout_s,
-        trial_dir=str(files_dir.relative_to(folder.path)),
-        after_result=after_result,
-        device_lock_waited_s=launched.device_hold.waited_s if launched.device_hold else None,
-        device_shared_with=launched.device_hold.shared_with if launched.device_hold else None,
-    )
-    stderr_tail = stderr_excerpt(launched.stderr_text)  # an excerpt is kept in the row
-    common: dict[str, Any] = {
-        "exit_code": outcome.returncode,
-        "wall_time_s": outcome.wall_time_s,
-        "started_at": launched.started_at,
-        "finished_at": launched.finished_at,
-        "launch": record,
-        "activity": launched.activity,
-    }
-    if measured is not None:
-        return planned_row(
-            run,
-            baseline=baseline,
-            status=measured.status,
-            reason=measured.reason,
-            stderr_tail=stderr_tail if measured.status != "ok" else None,
-            measured=measured,
-            **common,
+    try:
+        request.files_dir.mkdir(parents=True, exist_ok=True)
+        (request.files_dir / RESULT_FILE).unlink(missing_ok=True)  # left by an interrupted earlier attempt
+        cmd = trial_command(
+            request.trial,
+            request.configs_dir,
+            request.files_dir,
+            launch=request.launch,
+            port=request.port,
+            python=request.python,
         )
-    if launched.exited_cleanly:
-        status, reason = "crashed", f"exited 0 without writing {RESULT_FILE}"
-    else:
-        failure = launched.failure()
-        status, reason = failure.status, failure.reason
-    return planned_row(run, baseline=baseline, status=status, reason=reason, stderr_tail=stderr_tail, **common)
+    except OSError as exc:
+        raise RunFolderWriteError(Path(exc.filename) if exc.filename else request.configs_dir, exc) from exc
+    env = clean_environment(extra={"PYTHONUNBUFFERED": "1", **request.trial.run.env})
+    direct = direct_command(cmd, env)
+    return direct if direct is not None else (cmd, env)
+
+
+def _hold(
+    held: contextlib.ExitStack, request: GroupRequest, env: dict[str, str], progress: Callable[[str], None]
+) -> DeviceHold | None:
+    """Point the group's ``env`` at its devices and its own ``TMPDIR``, entered on ``held`` with the devices' locks
+    (unless the caller holds them), so that all of it is released when ``held`` closes, whatever fails on the way.
+
+    Raises:
+        DeviceBusyError: as :func:`hold_devices`.
+        RunFolderWriteError: when the ``TMPDIR`` cannot be made.
+    """
+    strategy = request.trial.spec.strategy
+    devices = trial_devices(strategy.device, strategy.num_processes // strategy.num_machines, {**os.environ, **env})
+    env.update(visible_devices(strategy, devices))  # data_parallel "dp": its one process sees exactly these GPUs
+    device_hold = None
+    if request.lock_devices:
+        hold = hold_devices(
+            devices, run_dir=request.run_dir or request.files_dir, trial=request.trial.name, progress=progress
+        )
+        device_hold = held.enter_context(hold)
+    try:
+        env["TMPDIR"] = str(held.enter_context(trial_temp_dir(request.files_dir)))
+    except OSError as exc:
+        raise RunFolderWriteError(Path(exc.filename) if exc.filename else request.files_dir, exc) from exc
+    return device_hold
 
 
 __all__ = [
+    "GroupRequest",
     "LaunchInfo",
     "Launched",
     "direct_command",
     "launch_group",
-    "launch_trial",
-    "planned_row",
     "read_measured",
     "trial_command",
     "trial_port",

@@ -8,21 +8,22 @@ machines starts each machine's group from that machine's own driver (:mod:`hfsca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hfscale.launch.device_lock import hold_devices, trial_devices
 from hfscale.launch.failures import Classification
-from hfscale.launch.group import Launched, LaunchInfo, launch_group
+from hfscale.launch.group import GroupRequest, Launched, LaunchInfo, launch_group
 from hfscale.launch.plan import SweepSettings
-from hfscale.launch.process import free_port
-from hfscale.recipes.recipe import RecipeTrial
+from hfscale.launch.process import end_orphaned_group, free_port
+from hfscale.recipes.schema import RecipeTrial
 from hfscale.results.run_folder import PID_FILE
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,17 @@ class MachineLaunch:
         return self.launched is not None and self.launched.exited_cleanly
 
 
+@dataclass(frozen=True, kw_only=True)
+class PeerTiming:
+    """How the machines of one host start and end together (:func:`launch_machines_here`)."""
+
+    peer_grace_s: float = 20.0
+    """When a group fails, the others get this many seconds to fail by themselves (a lost peer usually breaks their
+    collectives) before they are ended, so that a dead machine never leaves the rest waiting until their limit."""
+    start_delay_s: Mapping[int, float] = field(default_factory=dict)
+    """Seconds to wait before starting a machine's group (machine rank -> delay): a machine that starts late."""
+
+
 def launch_machines_here(
     trial: RecipeTrial,
     configs_dir: Path,
@@ -61,8 +73,7 @@ def launch_machines_here(
     settings: SweepSettings,
     port: int | None = None,
     python: str = sys.executable,
-    peer_grace_s: float = 20.0,
-    start_delay_s: Mapping[int, float] | None = None,
+    timing: PeerTiming | None = None,
     progress: Callable[[str], None] = logger.info,
 ) -> list[MachineLaunch]:
     """Run ``trial`` as ``strategy.num_machines`` machines on this host: one process group per machine rank, all
@@ -72,13 +83,8 @@ def launch_machines_here(
     :mod:`hfscale.techniques.multi_machine`).
 
     Machine ``m`` writes its configs to ``configs_dir/machine-m`` and its files to ``files_dir/machine-m``. The
-    device locks are taken once for all groups (one host's devices). When a group fails, the others get
-    ``peer_grace_s`` seconds to fail by themselves (a lost peer usually breaks their collectives), then are ended,
-    so that a dead machine never leaves the rest waiting until their time limit.
-
-    Args:
-        start_delay_s: seconds to wait before starting a machine's group (machine rank -> delay): a machine that
-            starts late.
+    device locks are taken once for all groups (one host's devices). When a group fails, the others are ended after
+    ``timing.peer_grace_s``; ``timing.start_delay_s`` starts some machines late.
 
     Returns:
         One :class:`MachineLaunch` per machine, in machine-rank order.
@@ -88,86 +94,117 @@ def launch_machines_here(
         KeyboardInterrupt: when interrupted; every group has been ended.
         RunFolderWriteError, DeviceBusyError, OSError: as :func:`launch_group`, after every group has ended.
     """
-
-    from hfscale.launch.process import end_orphaned_group
-
     strategy = trial.spec.strategy
     machines = strategy.num_machines
     if machines < 2:
         raise ValueError(f"launch_machines_here: strategy.num_machines={machines}; it runs 2 or more machines")
     port = free_port() if port is None else port
-    delays = dict(start_delay_s or {})
-    results: dict[int, Launched | BaseException | None] = {}
-    stop = threading.Event()
+    place = LaunchInfo(launched=True, machine_rank=0, num_machines=machines, master_addr="127.0.0.1", master_port=port)
+    base = GroupRequest(
+        trial=trial, configs_dir=configs_dir, files_dir=files_dir, port=port, launch=place, settings=settings,
+        python=python, lock_devices=False,
+    )  # fmt: skip
+    groups = _HostMachines(base, timing or PeerTiming(), progress)
+    devices = trial_devices(strategy.device, strategy.num_processes // machines, os.environ)
+    with hold_devices(devices, run_dir=files_dir, trial=trial.name, progress=progress):
+        groups.run()
+    return groups.launches()
 
-    def run(rank: int) -> None:
+
+class _HostMachines:
+    """The process groups of one trial's machines on this host: each launched from a thread of its own, all watched
+    from the caller's."""
+
+    def __init__(self, base: GroupRequest, timing: PeerTiming, progress: Callable[[str], None]) -> None:
+        self.base = base
+        self.timing = timing
+        self.progress = progress
+        self.count = base.trial.spec.strategy.num_machines
+        self.results: dict[int, Launched | BaseException | None] = {}
+        self.stop = threading.Event()
+        self.ended_after: dict[int, int] = {}
+        self.threads = [
+            threading.Thread(target=self._run, args=(m,), name=f"hfscale-machine-{m}") for m in range(self.count)
+        ]
+
+    def request(self, rank: int) -> GroupRequest:
+        """Machine ``rank``'s launch: its own configs and files folders, its machine rank."""
+        folder = MACHINE_DIR.format(rank=rank)
+        return dataclasses.replace(
+            self.base,
+            configs_dir=self.base.configs_dir / folder,
+            files_dir=self.base.files_dir / folder,
+            launch=dataclasses.replace(self.base.launch, machine_rank=rank),
+        )
+
+    def _run(self, rank: int) -> None:
         try:
-            if stop.wait(delays.get(rank, 0.0)):
-                results[rank] = None  # another machine failed during the delay
+            if self.stop.wait(self.timing.start_delay_s.get(rank, 0.0)):
+                self.results[rank] = None  # another machine failed during the delay
                 return
-            info = LaunchInfo(
-                launched=True, machine_rank=rank, num_machines=machines, master_addr="127.0.0.1", master_port=port
-            )
-            results[rank] = launch_group(
-                trial,
-                configs_dir / MACHINE_DIR.format(rank=rank),
-                files_dir / MACHINE_DIR.format(rank=rank),
-                port=port,
-                launch=info,
-                settings=settings,
-                python=python,
-                progress=lambda line, rank=rank: progress(f"machine {rank}: {line}"),
-                lock_devices=False,
-            )
+            say = lambda line: self.progress(f"machine {rank}: {line}")  # noqa: E731
+            self.results[rank] = launch_group(self.request(rank), progress=say)
         except BaseException as exc:  # handed to the caller's thread
-            results[rank] = exc
+            self.results[rank] = exc
 
-    pid_files = [files_dir / MACHINE_DIR.format(rank=m) / PID_FILE for m in range(machines)]
-    ended_after: dict[int, int] = {}
-    with hold_devices(
-        trial_devices(strategy.device, strategy.num_processes // machines, os.environ),
-        run_dir=files_dir,
-        trial=trial.name,
-        progress=progress,
-    ):
-        threads = [threading.Thread(target=run, args=(m,), name=f"hfscale-machine-{m}") for m in range(machines)]
-        for thread in threads:
+    def _alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def run(self) -> None:
+        """Start every machine's group and wait until all have ended: the others ended after the first failure's
+        grace, every one of them on an interrupt."""
+        for thread in self.threads:
             thread.start()
-        failed_at: tuple[int, float] | None = None
         try:
-            while any(t.is_alive() for t in threads):
-                for m, thread in enumerate(threads):
-                    done = results.get(m)
-                    if failed_at is None and not thread.is_alive() and m in results and not _clean(done):
-                        failed_at = (m, time.monotonic())
-                        stop.set()
-                        progress(f"machine {m} failed; ending the other machines in {peer_grace_s:.0f} s")
-                if failed_at is not None and time.monotonic() - failed_at[1] >= peer_grace_s:
-                    for m, thread in enumerate(threads):
-                        if thread.is_alive() and end_orphaned_group(pid_files[m]) is not None:
-                            ended_after.setdefault(m, failed_at[0])
-                time.sleep(0.2)
+            self._watch()
         except BaseException:
-            stop.set()
-            while any(t.is_alive() for t in threads):
-                for m in range(machines):
-                    end_orphaned_group(pid_files[m])
+            self.stop.set()
+            while self._alive():
+                for m in range(self.count):
+                    end_orphaned_group(self.request(m).files_dir / PID_FILE)
                 time.sleep(0.2)
             raise
-        for thread in threads:
+        for thread in self.threads:
             thread.join()
-    errors = [r for r in results.values() if isinstance(r, BaseException)]
-    if errors:
-        raise errors[0]
-    return [
-        MachineLaunch(
-            machine_rank=m,
-            launched=results.get(m),  # type: ignore[arg-type]
-            files_dir=files_dir / MACHINE_DIR.format(rank=m),
-            ended_after=ended_after.get(m),
-        )
-        for m in range(machines)
-    ]
+
+    def _watch(self) -> None:
+        failed_at: tuple[int, float] | None = None
+        while self._alive():
+            if failed_at is None and (failed := self._failed()) is not None:
+                failed_at = (failed, time.monotonic())
+                self.stop.set()
+                self.progress(f"machine {failed} failed; ending the other machines in {self.timing.peer_grace_s:.0f} s")
+            if failed_at is not None and time.monotonic() - failed_at[1] >= self.timing.peer_grace_s:
+                for m, thread in enumerate(self.threads):
+                    if thread.is_alive() and end_orphaned_group(self.request(m).files_dir / PID_FILE) is not None:
+                        self.ended_after.setdefault(m, failed_at[0])
+            time.sleep(0.2)
+
+    def _failed(self) -> int | None:
+        """The first machine whose group has ended other than cleanly, if any."""
+        for m, thread in enumerate(self.threads):
+            if not thread.is_alive() and m in self.results and not _clean(self.results[m]):
+                return m
+        return None
+
+    def launches(self) -> list[MachineLaunch]:
+        """How each machine's group went.
+
+        Raises:
+            BaseException: the first that a machine's launch raised.
+        """
+        errors = [r for r in self.results.values() if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return [
+            MachineLaunch(
+                machine_rank=m,
+                launched=self.results.get(m),  # type: ignore[arg-type]
+                files_dir=self.request(m).files_dir,
+                ended_after=self.ended_after.get(m),
+            )
+            for m in range(self.count)
+        ]
 
 
 def machines_failure(machines: Sequence[MachineLaunch]) -> tuple[int, Classification] | None:
@@ -203,4 +240,4 @@ def _clean(result: Launched | BaseException | None) -> bool:
     return result is None or (isinstance(result, Launched) and result.exited_cleanly)
 
 
-__all__ = ["MACHINE_DIR", "MachineLaunch", "launch_machines_here", "machines_failure"]
+__all__ = ["MACHINE_DIR", "MachineLaunch", "PeerTiming", "launch_machines_here", "machines_failure"]

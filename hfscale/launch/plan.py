@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from hfscale.core.text import short
-from hfscale.recipes.recipe import Recipe, RecipeTrial
+from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.strategy import EIGHT_BIT_OPTIMIZERS, Strategy
 
 if TYPE_CHECKING:

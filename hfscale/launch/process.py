@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfscale.core.files import write_atomic
 from hfscale.core.pids import pid_alive
 from hfscale.trial.watchdog import DRIVER_PID_ENV
 
@@ -203,6 +204,30 @@ def _limit_memory(limit_bytes: int) -> Callable[[], None]:
     return apply
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupLimits:
+    """How far a process group may go: its time and address space, and how it is ended past its time."""
+
+    timeout_s: float | None = None
+    """After this many seconds the whole group is ended (SIGTERM, then SIGKILL); None: no limit."""
+    memory_limit_bytes: int | None = None
+    """``RLIMIT_AS`` of the launcher and every process it starts; None: no limit."""
+    kill_grace_s: float = KILL_GRACE_S
+    """Seconds between SIGTERM and SIGKILL."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupHooks:
+    """What the caller is told while a process group runs."""
+
+    on_start: Callable[[int], None] | None = None
+    """Called with the group's id (the launcher's pid) once it is started (e.g. to watch the machine from outside
+    the group)."""
+    on_tick: Callable[[float], None] | None = None
+    """Called every ``tick_s`` seconds with the elapsed time, for progress."""
+    tick_s: float = 30.0
+
+
 def run_process_group(
     argv: Sequence[str],
     *,
@@ -210,13 +235,9 @@ def run_process_group(
     stdout_path: str | os.PathLike[str],
     stderr_path: str | os.PathLike[str],
     cwd: str | os.PathLike[str] | None = None,
-    timeout_s: float | None = None,
-    memory_limit_bytes: int | None = None,
     pid_file: str | os.PathLike[str] | None = None,
-    on_tick: Callable[[float], None] | None = None,
-    tick_s: float = 30.0,
-    kill_grace_s: float = KILL_GRACE_S,
-    on_start: Callable[[int], None] | None = None,
+    limits: GroupLimits | None = None,
+    hooks: GroupHooks | None = None,
 ) -> ProcessOutcome:
     """Run ``argv`` as a new session and wait for it; stdout/stderr go to the two files.
 
@@ -226,27 +247,51 @@ def run_process_group(
         stdout_path: file for its stdout (created or truncated).
         stderr_path: file for its stderr.
         cwd: working directory.
-        timeout_s: after this many seconds the whole group is ended (SIGTERM, then SIGKILL).
-        memory_limit_bytes: ``RLIMIT_AS`` of the launcher and every process it starts.
         pid_file: where to write the launcher's pid (= the group id) once started; removed when it ends.
-        on_tick: called every ``tick_s`` seconds with the elapsed time, for progress.
-        kill_grace_s: seconds between SIGTERM and SIGKILL.
-        on_start: called with the group's id (the launcher's pid) once it is started (e.g. to watch the machine
-            from outside the group).
+        limits: its time and memory (default: none), and the grace between SIGTERM and SIGKILL.
+        hooks: called once it has started and every ``tick_s`` while it runs.
 
     Raises:
         KeyboardInterrupt: after ending the group, when the sweep was interrupted while waiting.
         OSError: when the command cannot be started.
     """
+    limits = limits or GroupLimits()
+    hooks = hooks or GroupHooks()
     start = time.monotonic()
     tag = uuid.uuid4().hex
     env = {**env, DRIVER_PID_ENV: str(os.getpid()), GROUP_TAG_ENV: tag}
     if pid_file is not None:
         env[PID_FILE_ENV] = str(Path(pid_file).resolve())
+    proc = _start(argv, env, stdout_path, stderr_path, cwd=cwd, memory_limit_bytes=limits.memory_limit_bytes)
+    try:  # from here on, whatever fails (a full disk for the pid file, Ctrl-C) ends the group first
+        if pid_file is not None:
+            write_atomic(pid_file, f"{proc.pid}\n")
+        if hooks.on_start is not None:
+            hooks.on_start(proc.pid)
+        timed_out, wall = _wait(proc, tag, start=start, limits=limits, hooks=hooks)
+    except BaseException:  # KeyboardInterrupt (Ctrl-C, or SIGTERM through the sweep's handler) or a bug: no leak
+        _end_group(proc, limits.kill_grace_s, tag)
+        raise
+    finally:
+        if pid_file is not None:
+            Path(pid_file).unlink(missing_ok=True)
+    return ProcessOutcome(returncode=int(proc.returncode), timed_out=timed_out, wall_time_s=wall, pid=proc.pid)
+
+
+def _start(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    stdout_path: str | os.PathLike[str],
+    stderr_path: str | os.PathLike[str],
+    *,
+    cwd: str | os.PathLike[str] | None,
+    memory_limit_bytes: int | None,
+) -> subprocess.Popen:
+    """Start ``argv`` as the leader of a new session, its output into the two files."""
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             list(argv),
-            env=env,
+            env=dict(env),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -254,38 +299,27 @@ def run_process_group(
             start_new_session=True,
             preexec_fn=_limit_memory(memory_limit_bytes) if memory_limit_bytes else None,
         )
-    timed_out = False
-    next_tick = start + tick_s
-    try:  # from here on, whatever fails (a full disk for the pid file, Ctrl-C) ends the group first
-        if pid_file is not None:
-            tmp = Path(f"{pid_file}.tmp")
-            tmp.write_text(f"{proc.pid}\n", encoding="utf-8")
-            os.replace(tmp, pid_file)
-        if on_start is not None:
-            on_start(proc.pid)
-        while True:
-            now = time.monotonic()
-            if _exited(proc.pid):
-                wall = now - start
-                _reap(proc, tag)
-                break
-            if timeout_s is not None and now - start > timeout_s:
-                logger.info("pid %d: past its %.0f s limit, ending its process group", proc.pid, timeout_s)
-                timed_out = True
-                wall = now - start
-                _end_group(proc, kill_grace_s, tag)
-                break
-            if on_tick is not None and now >= next_tick:
-                on_tick(now - start)
-                next_tick = now + tick_s
-            time.sleep(0.1)
-    except BaseException:  # KeyboardInterrupt (Ctrl-C, or SIGTERM through the sweep's handler) or a bug: no leak
-        _end_group(proc, kill_grace_s, tag)
-        raise
-    finally:
-        if pid_file is not None:
-            Path(pid_file).unlink(missing_ok=True)
-    return ProcessOutcome(returncode=int(proc.returncode), timed_out=timed_out, wall_time_s=wall, pid=proc.pid)
+
+
+def _wait(
+    proc: subprocess.Popen, tag: str, *, start: float, limits: GroupLimits, hooks: GroupHooks
+) -> tuple[bool, float]:
+    """Wait until the launcher exits (its group then reaped) or its time is up (the group ended); returns whether
+    it timed out and its wall time from ``start``."""
+    next_tick = start + hooks.tick_s
+    while True:
+        now = time.monotonic()
+        if _exited(proc.pid):
+            _reap(proc, tag)
+            return False, now - start
+        if limits.timeout_s is not None and now - start > limits.timeout_s:
+            logger.info("pid %d: past its %.0f s limit, ending its process group", proc.pid, limits.timeout_s)
+            _end_group(proc, limits.kill_grace_s, tag)
+            return True, now - start
+        if hooks.on_tick is not None and now >= next_tick:
+            hooks.on_tick(now - start)
+            next_tick = now + hooks.tick_s
+        time.sleep(0.1)
 
 
 def _environ_of(pid: int) -> dict[str, str]:
@@ -353,6 +387,8 @@ __all__ = [
     "LAUNCHER_ENV_PREFIXES",
     "LAUNCHER_ENV_VARS",
     "PID_FILE_ENV",
+    "GroupHooks",
+    "GroupLimits",
     "ProcessOutcome",
     "clean_environment",
     "end_orphaned_group",

@@ -16,7 +16,7 @@ count as the Chinchilla paper's appendix F without the embedding terms, and torc
   forward + backward. ``H`` is the attention width, query heads x head dimension (``config.head_dim`` where the
   config has one): PaLM writes the hidden size, which is the same number only when ``head_dim = hidden / heads``.
   Qwen3-0.6B has 16 heads x 128 = 2048 against a hidden size of 1024, and the hidden size read its attention at
-  half (formula / counted 0.73 on a Qwen3-shaped model at 256 tokens, ``tests/test_flops.py``). Grouped-query
+  half (formula / counted 0.73 on a Qwen3-shaped model at 256 tokens, ``tests/measure/test_flops.py``). Grouped-query
   attention shares keys and values between query heads, but every query head still forms its own scores, so the
   query heads count. Causal masking is not subtracted (as in PaLM).
 - LoRA: the adapters' two matrices per layer are in ``N`` like any Linear; a frozen parameter still needs the
@@ -36,10 +36,11 @@ what it costs. Peaks are dense (no 2:4 sparsity) tensor-core figures from NVIDIA
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from hfscale.core.params import param_numel
 
 logger = logging.getLogger(__name__)
 
@@ -159,18 +160,11 @@ def compute_dtype(args: Any, observed: str | None = None) -> ComputeDtype:
         return "fp32"
 
 
-def _numel(param: Any) -> int:
-    # bitsandbytes packs two 4-bit weights per uint8 element (QLoRA): the matmul runs on the dequantised weight,
-    # whose shape the quant state keeps. Counting the packed tensor read half the FLOPs (0.1's closing note).
-    shape = getattr(getattr(param, "quant_state", None), "shape", None)
-    if shape is not None:
-        return math.prod(int(d) for d in shape)
-    # DeepSpeed ZeRO-3 leaves an empty placeholder in each partitioned parameter; the full size is ds_numel.
-    return int(getattr(param, "ds_numel", 0) or param.numel())
-
-
-def count_parameters(model: Any, *, exclude_embeddings: bool = True, frozen_only: bool = False) -> int:
-    """Parameters of ``model`` (each shared tensor once), without ``nn.Embedding`` tables when asked.
+def count_parameters_for_flops(model: Any, *, exclude_embeddings: bool = True, frozen_only: bool = False) -> int:
+    """Parameters of ``model`` as the FLOPs count needs them: each shared tensor once, each at the size it computes
+    with (:func:`hfscale.core.params.param_numel`: QLoRA's dequantised shape, ZeRO-3's full size), without
+    ``nn.Embedding`` tables when asked. (What each rank holds is
+    :func:`hfscale.measure.readback.count_parameters_held`.)
 
     An output projection tied to the token embedding is the same tensor, so it is excluded with it. peft's
     ``original_module`` (the head a ``modules_to_save`` copy replaces in forward) computes nothing and is left out.
@@ -184,7 +178,7 @@ def count_parameters(model: Any, *, exclude_embeddings: bool = True, frozen_only
             if isinstance(module, torch.nn.Embedding):
                 embedding_ids.update(id(p) for p in module.parameters(recurse=False))
     return sum(
-        _numel(p)
+        param_numel(p)
         for name, p in model.named_parameters()
         if id(p) not in embedding_ids
         and "original_module" not in name.split(".")
@@ -193,12 +187,12 @@ def count_parameters(model: Any, *, exclude_embeddings: bool = True, frozen_only
 
 
 def matmul_parameters(model: Any, *, frozen_only: bool = False) -> int:
-    """``N`` of the FLOPs formula: :func:`count_parameters` without embeddings, plus an output head tied to an
+    """``N`` of the FLOPs formula: :func:`count_parameters_for_flops` without embeddings, plus an output head tied to an
     embedding table (the same tensor, but a real matmul per token). ``frozen_only``: the part of ``N`` that gets
     no weight gradient (LoRA's frozen base), the ``frozen_params`` of :func:`transformer_flops_per_token`."""
     import torch
 
-    count = count_parameters(model, frozen_only=frozen_only)
+    count = count_parameters_for_flops(model, frozen_only=frozen_only)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     weight = getattr(head, "weight", None)
@@ -207,7 +201,7 @@ def matmul_parameters(model: Any, *, frozen_only: bool = False) -> int:
             id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
         }
         if id(weight) in embedding_ids and not (frozen_only and weight.requires_grad):
-            count += _numel(weight)
+            count += param_numel(weight)
     return count
 
 
@@ -276,7 +270,7 @@ class GradientFlowProbe:
         if not args[0].requires_grad and id(module) not in self._seen:
             self._seen.add(id(module))  # once per module, as N counts it
             bias = getattr(module, "bias", None)
-            self._no_input_grad += _numel(module.weight) + (bias.numel() if isinstance(bias, torch.Tensor) else 0)
+            self._no_input_grad += param_numel(module.weight) + (bias.numel() if isinstance(bias, torch.Tensor) else 0)
 
     def _hook_attention(self, attention: Any) -> None:
         projections = [child for child in attention.children() if _is_projection(child)]
@@ -467,7 +461,7 @@ __all__ = [
     "attention_width",
     "canonical_device",
     "compute_dtype",
-    "count_parameters",
+    "count_parameters_for_flops",
     "matmul_parameters",
     "meta_copy",
     "mfu",

@@ -182,11 +182,11 @@ def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path:
     ``parallelism.tp > 1`` for a model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial
     that asks for it (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one).
     Skipped where the config cannot be built here: :func:`check_model` has said why, or the trial will."""
-    from hfscale.techniques.mesh import parallelism_config, tensor_parallel, tp_plan_problem
+    from hfscale.techniques.mesh import accelerate_parallelism_config, tensor_parallel, tp_plan_problem
 
     if strategy.parallelism is not None:
         try:  # what accelerate refuses in the sizes (tp or cp beside replicas alone), said now
-            parallelism_config(strategy)
+            accelerate_parallelism_config(strategy)
         except ImportError:
             pass
         except ValueError as exc:

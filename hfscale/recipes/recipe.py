@@ -30,17 +30,17 @@ Format (every section but ``trials``/``matrix`` is optional)::
 
 A trial that does not set ``num_processes`` (nor ``num_machines``) takes the count of the sweep's launch (the outer
 ``accelerate launch``, or ``--num-processes``); see :meth:`Recipe.resolve`.
+
+This module is the loader; the types it builds are in :mod:`hfscale.recipes.schema`, the trials and matrix as
+written in :mod:`hfscale.recipes.entries`, and the checks beyond types in :mod:`hfscale.recipes.checks`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -58,181 +58,27 @@ from hfscale.recipes.checks import (
     check_tensor_parallel,
     check_training_args,
 )
-from hfscale.records.batch import MAX_BATCH_SUFFIX
-from hfscale.strategy import (
-    CompileSpec,
-    DeepSpeedSpec,
-    Device,
-    FsdpSpec,
-    LoraSpec,
-    ParallelismSpec,
-    Strategy,
-    StrategyError,
+from hfscale.recipes.entries import (
+    TrialEntry,
+    check_partial_strategy,
+    expand_matrix,
+    merge_fields,
+    trial_entries,
+    undot,
 )
+from hfscale.recipes.schema import (
+    BatchMode,
+    Recipe,
+    RecipeError,
+    RecipeTrial,
+    RunSpec,
+    ShippedRecipe,
+    SweepOptions,
+)
+from hfscale.records.batch import MAX_BATCH_SUFFIX
+from hfscale.strategy import Device, Strategy
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot be run as written; the message starts with the file and the dotted key path."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunSpec:
-    """How a trial's processes are started (not part of what is measured)."""
-
-    memory_limit_gib: float | None = None
-    """Address-space limit (``RLIMIT_AS``) of every process of the trial, in GiB; None for no limit. It caps host
-    memory only, so a CPU trial over it really runs out of memory. Note that CUDA maps far more address space than
-    it uses: leave it unset for GPU trials."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for the trial's processes (``OMP_NUM_THREADS``, ``NCCL_DEBUG``, ...)."""
-
-    def __post_init__(self) -> None:
-        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
-            raise ValueError(f"memory_limit_gib: expected a positive number, got {self.memory_limit_gib!r}")
-
-
-BatchMode = Literal["fixed", "max", "both"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SweepOptions:
-    """How the sweep compares the trials (a recipe's ``sweep:`` section)."""
-
-    batch: BatchMode = "fixed"
-    """Which per-device batch the strategies are compared at. ``fixed``: each trial's own (the recipe's); the
-    command line's ``--find-max-batch`` still records each trial's largest. ``both``: each trial at its own
-    batch, and again as ``<trial>-maxbatch`` at the largest batch it fits (found by short probe runs), so a
-    strategy that saves memory shows what the memory buys. ``max``: compare at the largest batch only: each trial
-    runs once at its own batch (the search's first probe) and its ``-maxbatch`` row, with the recipe's repeats,
-    is compared; the baseline is the baseline's ``-maxbatch`` row."""
-    max_batch_limit: int | None = None
-    """Largest per-device batch the search tries (``--max-batch-limit`` overrides it). Set it on CPU: without a
-    ``run.memory_limit_gib`` nothing runs out of memory there, and the search would double up to 1024."""
-
-    def __post_init__(self) -> None:
-        if self.batch not in ("fixed", "max", "both"):
-            raise ValueError(f"batch: expected one of 'fixed', 'max', 'both', got {self.batch!r}")
-        limit = self.max_batch_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_batch_limit: expected a positive integer, got {limit!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecipeTrial:
-    """One trial of a recipe: what the trial process gets, plus how the sweep starts it."""
-
-    spec: TrialSpec
-    """The trial as the trial process reads it (name, strategy, model, data, training_args, measure)."""
-    run: RunSpec
-    """The recipe's ``run`` section with this trial's overrides applied."""
-    pinned: frozenset[str] = frozenset()
-    """Strategy fields among ``num_processes``/``num_machines`` that the recipe sets for this trial; the others
-    follow the sweep's launch."""
-    source: str = ""
-    """Where the trial comes from in the recipe (``trials[2]``, ``matrix[zero2-bf16]``), for error messages."""
-    batch: BatchMode = "fixed"
-    """Which per-device batch this trial is compared at (see :attr:`SweepOptions.batch`): the recipe's
-    ``sweep.batch`` unless the trial sets its own ``batch:``."""
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recipe:
-    """A validated recipe; :func:`load_recipe` builds one from a file."""
-
-    name: str
-    """Short name (the file's stem unless set); run folders are named after it."""
-    description: str = ""
-    """What the recipe compares, in a sentence or two."""
-    device: Device = "cuda"
-    """Where every trial trains."""
-    model: ModelSpec = field(default_factory=ModelSpec)
-    """The model, built from its config with random weights."""
-    data: DataSpec = field(default_factory=DataSpec)
-    """The dummy data set."""
-    training_args: dict[str, Any] = field(default_factory=dict)
-    """Base ``TrainingArguments`` keywords (learning rate, logging, seed, ...) shared by every trial."""
-    measure: MeasureSpec = field(default_factory=MeasureSpec)
-    """Warm-up, length, repeats and per-trial timeout."""
-    run: RunSpec = field(default_factory=RunSpec)
-    """Memory limit and environment of the trial processes."""
-    sweep: SweepOptions = field(default_factory=SweepOptions)
-    """How the trials are compared (the batch size axis)."""
-    baseline: str
-    """Name of the trial the others are compared with."""
-    trials: tuple[RecipeTrial, ...]
-    """Every trial, explicit ones first, then the matrix's, in the order written."""
-    path: str | None = None
-    """The file it was loaded from, if any."""
-
-    def __post_init__(self) -> None:
-        names = [t.name for t in self.trials]
-        if not names:
-            raise RecipeError(f"{self.path or '<recipe>'}: no trials: give `trials:` or `matrix:`")
-        if self.baseline not in names:
-            raise RecipeError(
-                f"{self.path or '<recipe>'}: baseline: {self.baseline!r} is not a trial; trials are {', '.join(names)}"
-            )
-
-    @property
-    def trial_names(self) -> list[str]:
-        return [t.name for t in self.trials]
-
-    def resolve(self, *, num_processes: int | None = None, num_machines: int | None = None) -> list[RecipeTrial]:
-        """The trials with the launch's process and machine counts applied to those that do not pin them.
-
-        Args:
-            num_processes: processes in all (every machine) for trials that do not set ``num_processes``.
-            num_machines: machines for trials that do not set ``num_machines``.
-
-        Raises:
-            RecipeError: when a trial's strategy is invalid with these counts (e.g. not a multiple), or one step of
-                it would take more samples than ``data.num_samples`` holds.
-        """
-        out = []
-        for trial in self.trials:
-            changes: dict[str, int] = {}
-            if num_processes is not None and "num_processes" not in trial.pinned:
-                changes["num_processes"] = num_processes
-            if num_machines is not None and "num_machines" not in trial.pinned:
-                changes["num_machines"] = num_machines
-            if not changes:
-                out.append(trial)
-                continue
-            launch = ", ".join(f"{k}={v}" for k, v in changes.items())
-            where = f"{self.path or '<recipe>'}: {trial.source} (with the launch's {launch})"
-            try:
-                strategy = trial.spec.strategy.replace(**changes)
-                check_batch_fits_data(strategy, trial.spec.data, "")
-            except StrategyError as exc:
-                raise RecipeError(f"{where}: {exc}") from exc
-            except Invalid as exc:
-                raise RecipeError(f"{where}: {exc.path}: {exc.message}") from None
-            spec = dataclasses.replace(trial.spec, strategy=strategy)
-            out.append(dataclasses.replace(trial, spec=spec))
-        return out
-
-    def trial_specs(self, *, num_processes: int | None = None, num_machines: int | None = None) -> list[TrialSpec]:
-        """The :class:`TrialSpec` of every trial (see :meth:`resolve` for the counts)."""
-        return [t.spec for t in self.resolve(num_processes=num_processes, num_machines=num_machines)]
-
-
-# -- trials, defaults and the matrix --------------------------------------------------------------------------
-
-_STRATEGY_FIELDS = [f.name for f in dataclasses.fields(Strategy)]
-_NESTED: dict[str, type] = {
-    "deepspeed": DeepSpeedSpec,
-    "fsdp": FsdpSpec,
-    "torch_compile": CompileSpec,
-    "lora": LoraSpec,
-    "parallelism": ParallelismSpec,
-}
-# A trial entry is Strategy fields plus these per-trial overrides; `device` is the recipe's.
-_TRIAL_EXTRAS = ("measure", "run", "training_args", "batch")
 _TOP_KEYS = (
     "name",
     "description",
@@ -248,130 +94,6 @@ _TOP_KEYS = (
     "trials",
     "matrix",
 )
-
-
-def _strategy_field_type(dotted: str, path: str, *, also_valid: tuple[str, ...] = ()) -> Any:
-    """The type of a Strategy field, or of a nested ``deepspeed.X`` / ``fsdp.X`` field."""
-    head, _, tail = dotted.partition(".")
-    if head not in _STRATEGY_FIELDS or head in ("name", "device"):
-        valid = [f for f in _STRATEGY_FIELDS if f not in ("name", "device")] + list(also_valid)
-        valid += [f"{n}.{f.name}" for n, c in _NESTED.items() for f in dataclasses.fields(c)]
-        close = difflib.get_close_matches(dotted, valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise Invalid(path, f"unknown key{hint}; valid keys here are {', '.join(sorted(valid))}")
-    if not tail:
-        return field_types(Strategy)[head]
-    if head not in _NESTED:
-        raise Invalid(path, f"{head!r} has no fields; use `{head}: [...]`")
-    nested = field_types(_NESTED[head])
-    if tail not in nested:
-        close = difflib.get_close_matches(tail, list(nested), n=1)
-        hint = f" (did you mean {head}.{close[0]}?)" if close else ""
-        raise Invalid(path, f"unknown key{hint}; valid keys of {head} are {', '.join(sorted(nested))}")
-    return nested[tail]
-
-
-def _check_partial_strategy(data: dict[str, Any], path: str, *, also_valid: tuple[str, ...] = ()) -> None:
-    """Type-check Strategy fields given on their own (defaults, a trial before merging); nested sections partially."""
-    for key, value in data.items():
-        key_path = join_path(path, key)
-        if key == "device":
-            raise Invalid(key_path, "the device is set once, at the top of the recipe (`device: cuda|cpu`)")
-        if key == "name":
-            raise Invalid(key_path, "each trial has its own name; set it in the trial")
-        if key in _NESTED and isinstance(value, dict):
-            nested_hints = field_types(_NESTED[key])
-            reject_unknown(value, nested_hints, key_path)
-            for sub, sub_value in value.items():
-                convert(nested_hints[sub], sub_value, join_path(key_path, sub))
-            continue
-        convert(_strategy_field_type(key, key_path, also_valid=also_valid), value, key_path)
-
-
-def _undot(data: dict[str, Any]) -> dict[str, Any]:
-    """``{"deepspeed.zero_stage": 2}`` -> ``{"deepspeed": {"zero_stage": 2}}`` (trials and defaults may use either)."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out = _set_dotted(out, key, value)
-    return out
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``; nested ``deepspeed``/``fsdp`` mappings merge key by key, ``null`` removes."""
-    out = dict(base)
-    for key, value in over.items():
-        if key in _NESTED and isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
-
-
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
-    head, _, tail = dotted.partition(".")
-    if not tail:
-        return _merge(data, {head: value})
-    current = data.get(head)
-    return _merge(data, {head: {**(current if isinstance(current, dict) else {}), tail: value}})
-
-
-def _label(key: str, value: Any) -> str:
-    """The part of an automatic trial name that one axis value contributes ('' for nothing)."""
-    if value is None or value is False:
-        return ""
-    if key == "gradient_checkpointing":
-        return "ckpt"
-    if key == "per_device_batch_size":
-        return f"bs{value}"
-    if key == "gradient_accumulation_steps":
-        return f"acc{value}"
-    if key == "num_processes":
-        return f"x{value}"
-    if key == "num_machines":
-        return f"{value}node"
-    if key in ("precision", "optimizer", "fsdp.sharding"):
-        return str(value)
-    if key == "deepspeed":
-        stage = value.get("zero_stage", 2)
-        offloads = [v for k, v in value.items() if k.startswith("offload_") and v not in (None, "none")]
-        return f"zero{stage}" + ("-offload" if offloads else "")
-    if key == "deepspeed.zero_stage":
-        return f"zero{value}"
-    if key in ("deepspeed.offload_optimizer", "deepspeed.offload_param"):
-        return "" if value == "none" else f"{key.split('_')[-1]}-{value}"
-    if key == "fsdp":
-        return f"fsdp{value.get('version', 2)}" + ("-offload" if value.get("cpu_offload") else "")
-    if key == "fsdp.version":
-        return f"fsdp{value}"
-    if key == "fsdp.cpu_offload":
-        return "fsdp-offload" if value else ""
-    if key == "torch_compile":
-        return "compile" + ("" if value.get("backend", "inductor") == "inductor" else f"-{value['backend']}")
-    if key == "torch_compile.backend":
-        return f"compile-{value}"
-    if key == "attn_implementation":
-        return f"attn-{value}"
-    if key == "lora":
-        return ("qlora" if value.get("quantize_base") == "4bit" else "lora") + f"-r{value.get('rank', 8)}"
-    if key == "lora.rank":
-        return f"lora-r{value}"
-    if key == "lora.quantize_base":
-        return "qlora" if value == "4bit" else ""
-    if key == "parallelism":
-        return "-".join(f"{k}{v}" for k, v in value.items() if v != 1) or "mesh1"
-    if key == "data_parallel":
-        return str(value)
-    if value is True:
-        return key.rsplit(".", 1)[-1]
-    return f"{key.rsplit('.', 1)[-1]}{value}"
-
-
-def _auto_name(items: list[tuple[str, Any]]) -> str:
-    name = "-".join(label for key, value in items if (label := _label(key, value)))
-    return name or "default"
-
-
-# -- the recipe ------------------------------------------------------------------------------------------------
 
 
 def parse_recipe(data: Any, *, source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
@@ -438,65 +160,12 @@ def read_trial_names(path: str | os.PathLike[str]) -> list[str]:
     try:
         if not isinstance(data, dict):
             raise Invalid("", f"expected a mapping at the top level, got {show_value(data)}")
-        entries = _trial_entries(data.get("trials") or [])
+        entries = trial_entries(data.get("trials") or [])
         if data.get("matrix") is not None:
-            entries += _expand_matrix(data["matrix"])
+            entries += expand_matrix(data["matrix"])
     except Invalid as exc:
         raise RecipeError(f"{source}: {exc.path}: {exc.message}" if exc.path else f"{source}: {exc.message}") from None
     return [entry.name for entry in entries]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Entry:
-    """One trial as the recipe writes it (an item of ``trials:``, or one combination of ``matrix:``), unmerged."""
-
-    path: str
-    """Its key path in error messages: ``trials[2]``, or ``matrix[NAME]`` for a combination of the matrix."""
-    name: str
-    """As written, or made from its strategy fields (:func:`_auto_name`)."""
-    fields: dict[str, Any]
-    """Strategy fields, dotted keys unfolded."""
-    measure: dict[str, Any] = field(default_factory=dict)
-    run: dict[str, Any] = field(default_factory=dict)
-    training_args: dict[str, Any] = field(default_factory=dict)
-    batch: BatchMode | None = None
-    """Its own ``batch:``, else None (the recipe's ``sweep.batch``)."""
-
-
-def _trial_entries(raw_trials: Any) -> list[_Entry]:
-    """The ``trials:`` list, each item type-checked as partial strategy fields plus its per-trial overrides.
-
-    Pure: no model is built and nothing is imported (:func:`read_trial_names` relies on it).
-    """
-    if not isinstance(raw_trials, list):
-        raise Invalid("trials", f"expected a list of trials, got {show_value(raw_trials)}")
-    entries = []
-    for i, raw in enumerate(raw_trials):
-        path = join_path("trials", i)
-        if not isinstance(raw, dict):
-            raise Invalid(path, f"expected a mapping of strategy fields, got {show_value(raw)}")
-        raw = dict(raw)
-        trial_name = raw.pop("name", None)
-        if trial_name is not None:
-            convert(str, trial_name, join_path(path, "name"))
-        overrides = {key: raw.pop(key, None) or {} for key in ("measure", "run", "training_args")}
-        batch = convert(BatchMode, raw.pop("batch"), join_path(path, "batch")) if "batch" in raw else None
-        for key, over in overrides.items():
-            if not isinstance(over, dict):
-                raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
-        _check_partial_strategy(raw, path, also_valid=("name", *_TRIAL_EXTRAS))
-        entries.append(
-            _Entry(
-                path=path,
-                name=trial_name or _auto_name(list(raw.items())),
-                fields=_undot(raw),
-                measure=overrides["measure"],
-                run=overrides["run"],
-                training_args=overrides["training_args"],
-                batch=batch,
-            )
-        )
-    return entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -535,16 +204,16 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise Invalid("defaults", f"expected a mapping of strategy fields, got {show_value(defaults)}")
-    _check_partial_strategy(defaults, "defaults")
+    check_partial_strategy(defaults, "defaults")
 
-    entries = _trial_entries(data.get("trials") or [])
+    entries = trial_entries(data.get("trials") or [])
     if data.get("matrix") is not None:
-        entries += _expand_matrix(data["matrix"])
+        entries += expand_matrix(data["matrix"])
     if not entries:
         raise Invalid("", "no trials: give a `trials:` list and/or a `matrix:` of strategy axes")
     shared = _Shared(
         device=device, model=model, data=data_spec, training_args=training_args, measure_raw=measure_raw,
-        run_raw=run_raw, defaults=_undot(defaults), batch=sweep.batch,
+        run_raw=run_raw, defaults=undot(defaults), batch=sweep.batch,
     )  # fmt: skip
     seen: dict[str, str] = {}
     for entry in entries:
@@ -574,11 +243,11 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     )
 
 
-def _build_trial(entry: _Entry, shared: _Shared) -> RecipeTrial:
+def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     """One trial: its strategy fields over the recipe's ``defaults``, its overrides over the recipe's sections, and
     the checks that need the model or the data beside the strategy."""
     path = entry.path
-    merged = _merge(shared.defaults, entry.fields)
+    merged = merge_fields(shared.defaults, entry.fields)
     pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
     strategy = build(Strategy, {**merged, "name": entry.name}, path, device=shared.device)
     check_tensor_parallel(shared.model, shared.data, strategy, path)  # needs the model: a tp plan
@@ -622,79 +291,12 @@ def _check_names(trials: list[RecipeTrial], baseline: str) -> None:
             )
 
 
-def _expand_matrix(matrix: Any) -> list[_Entry]:
-    """One entry per combination of the axes, named from its values (``zero2-bf16``); pure, as
-    :func:`_trial_entries`."""
-    if not isinstance(matrix, dict) or not matrix:
-        raise Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {show_value(matrix)}")
-    axes: list[tuple[str, list[Any]]] = []
-    for key, values in matrix.items():
-        path = join_path("matrix", str(key))
-        if not isinstance(key, str):
-            raise Invalid(path, "axis names must be strings")
-        if not isinstance(values, list) or not values:
-            raise Invalid(path, f"expected a non-empty list of values, got {show_value(values)}")
-        tp = _strategy_field_type(key, path)
-        for i, value in enumerate(values):
-            value_path = join_path(path, i)
-            if key in _NESTED and isinstance(value, dict):
-                nested_hints = field_types(_NESTED[key])
-                reject_unknown(value, nested_hints, value_path)
-                for sub, sub_value in value.items():
-                    convert(nested_hints[sub], sub_value, join_path(value_path, sub))
-            else:
-                convert(tp, value, value_path)
-        axes.append((key, values))
-    entries = []
-    for combo in itertools.product(*(values for _, values in axes)):
-        fields_: dict[str, Any] = {}
-        items = []
-        for (key, _), value in zip(axes, combo, strict=True):
-            fields_ = _set_dotted(fields_, key, value)
-            items.append((key, value))
-        name = _auto_name(items)
-        entries.append(_Entry(path=f"matrix[{name}]", name=name, fields=fields_))
-    return entries
-
-
-__all__ = [
-    "OWNED_TRAINING_ARGS",
-    "REFUSED_TRAINING_ARGS",
-    "Recipe",
-    "RecipeError",
-    "RecipeTrial",
-    "RunSpec",
-    "SweepOptions",
-    "load_recipe",
-    "parse_recipe",
-    "read_trial_names",
-]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShippedRecipe:
-    """One shipped recipe as ``hfscale recipes`` lists it."""
-
-    name: str
-    """What to pass to ``hfscale sweep`` (the file's stem)."""
-    path: Path
-    """The file in the installed package."""
-    description: str
-    """The recipe's ``description:``."""
-    device: str
-    """Where its trials train (``cpu`` or ``cuda``)."""
-    trial_count: int
-    """Trials after the matrix is expanded (each runs ``measure.repeats`` times)."""
-
-
 def shipped_recipes() -> list[ShippedRecipe]:
     """Every shipped recipe, loaded and validated, sorted by name.
 
     Raises:
         RecipeError: when a shipped recipe is invalid (a bug in hfscale; the test suite loads them all).
     """
-    from hfscale.recipes.recipe import load_recipe
-
     out = []
     for name in recipe_names():
         path = shipped_recipe(name)
@@ -709,3 +311,13 @@ def shipped_recipes() -> list[ShippedRecipe]:
             )
         )
     return out
+
+
+__all__ = [
+    "OWNED_TRAINING_ARGS",
+    "REFUSED_TRAINING_ARGS",
+    "load_recipe",
+    "parse_recipe",
+    "read_trial_names",
+    "shipped_recipes",
+]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from hfscale.records.activity import MachineActivity
 from hfscale.records.batch import BatchSearchRecord
@@ -36,7 +36,8 @@ TrialStatus = Literal["ok", "oom", "crashed", "timeout", "not_applied", "skipped
 timeout: killed after the per-trial limit; not_applied: ran, but the strategy asked for is not what ran;
 skipped: not run (missing optional dependency, predicted out of memory), with the reason."""
 
-TRIAL_STATUSES: tuple[str, ...] = ("ok", "oom", "crashed", "timeout", "not_applied", "skipped")
+TRIAL_STATUSES: tuple[str, ...] = get_args(TrialStatus)
+"""Every :data:`TrialStatus`, in the order written there (read from the Literal, so they are listed once)."""
 
 OutcomeStatus = Literal["ok", "not_applied"]
 

@@ -142,8 +142,6 @@ def summarize(
     Raises:
         ReportError: for a price per hour that is not a positive number.
     """
-    import pandas as pd
-
     environment = dict(environment or {})
     rows = with_parity(rows)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
@@ -151,8 +149,51 @@ def summarize(
             f"price_per_hour: expected a positive number (price of one device for an hour), got {price_per_hour}"
         )
     groups = group_rows(rows)
-    records = [trial_record(name, group) for name, group in groups]
     noise = {name: trial_noise(group) for name, group in groups}
+    frame = _trial_frame(groups, noise, price_per_hour)
+    baseline, baseline_note = _baseline(rows, groups, frame)
+    evidence = sweep_noise({name: rates for name, (_, rates) in noise.items()})
+    sweep_columns(frame, evidence)
+    against(frame, baseline, evidence)
+    if baseline is not None:
+        baseline_note += _unmeasured_note(frame.loc[baseline])
+
+    ok = frame[(frame["status"] == "ok") & (frame["samples_per_s"] > 0) & (frame["peak_gib"] > 0)]
+    front = pareto_front({name: (r["samples_per_s"], r["peak_gib"]) for name, r in ok.iterrows()})
+    budget, source = _budget(memory_budget_bytes, environment, machines)
+    frame["on_pareto_front"] = frame.index.isin(front)
+    _mark_fits(frame, budget)
+    rec = recommend(frame, budget, source, evidence)
+    frame["recommended"] = frame.index == rec.fastest
+    frame["ties_with_fastest"] = frame.index.isin(rec.fastest_ties)
+    frame["least_memory"] = frame.index == rec.most_frugal
+    return Summary(
+        run_dir=Path(run_dir),
+        environment=environment,
+        trials=frame,
+        baseline=baseline,
+        baseline_note=baseline_note,
+        pareto=tuple(front),
+        recommendation=rec,
+        batch_searches=_batch_searches(groups),
+        speed=evidence,
+        coverage=coverage,
+        price_per_hour=price_per_hour,
+        machines=tuple(machines),
+        rank_memory=tuple(rank_memory_records(groups)),
+    )
+
+
+def _trial_frame(
+    groups: Sequence[tuple[str, list[TrialResult]]],
+    noise: Mapping[str, tuple[dict[str, Any], list[float]]],
+    price_per_hour: float | None,
+) -> pd.DataFrame:
+    """One row per trial, indexed by name: its record, the medians over its ok runs, the run-level speed and its
+    noise columns, the cost, the run-to-run spread and the estimate's error."""
+    import pandas as pd
+
+    records = [trial_record(name, group) for name, group in groups]
     runs = pd.DataFrame.from_records(
         [
             {"trial": name, "ok": r.status == "ok", **run_record(r)}
@@ -179,67 +220,66 @@ def summarize(
     spread = by_trial["samples_per_s"].agg(lambda s: s.max() - s.min() if s.count() > 1 else math.nan)
     frame["samples_per_s_spread_pct"] = 100.0 * spread / frame["samples_per_s"]
     frame["estimate_error_pct"] = 100.0 * (frame["predicted_gib"] - frame["peak_gib"]) / frame["peak_gib"]
+    return frame
 
-    chosen, baseline_note = resolve_baseline(rows)
+
+def _baseline(
+    rows: Sequence[TrialResult], groups: Sequence[tuple[str, list[TrialResult]]], frame: pd.DataFrame
+) -> tuple[str | None, str]:
+    """The baseline trial's name (None when it did not finish ok over its runs) and the sentence that says so."""
+    chosen, note = resolve_baseline(rows)
     baseline = next((name for name, group in groups if chosen is not None and chosen in group), None)
-    if baseline is not None and frame.loc[baseline, "status"] != "ok":
-        base = frame.loc[baseline]
-        baseline_note = (
-            f"The baseline trial {baseline} did not finish ({base['status']}: {base['reason']}), so speed-up and "
-            "memory saved are not shown."
-        )
-        baseline = None
-    evidence = sweep_noise({name: rates for name, (_, rates) in noise.items()})
-    sweep_columns(frame, evidence)
-    against(frame, baseline, evidence)
-    if baseline is not None:
-        base = frame.loc[baseline]
-        missing = [
-            w for w, v in (("samples/s", base["samples_per_s"]), ("peak memory", base["peak_gib"])) if pd.isna(v)
-        ]
-        if missing:
-            baseline_note += f" Its {' and '.join(missing)} was not measured, so that comparison is not shown."
+    if baseline is None or frame.loc[baseline, "status"] == "ok":
+        return baseline, note
+    base = frame.loc[baseline]
+    return None, (
+        f"The baseline trial {baseline} did not finish ({base['status']}: {base['reason']}), so speed-up and "
+        "memory saved are not shown."
+    )
 
-    ok = frame[(frame["status"] == "ok") & (frame["samples_per_s"] > 0) & (frame["peak_gib"] > 0)]
-    front = pareto_front({name: (r["samples_per_s"], r["peak_gib"]) for name, r in ok.iterrows()})
+
+def _unmeasured_note(base: pd.Series) -> str:
+    """What the baseline did not measure, so that its comparison is not shown ('' when it measured both)."""
+    import pandas as pd
+
+    missing = [w for w, v in (("samples/s", base["samples_per_s"]), ("peak memory", base["peak_gib"])) if pd.isna(v)]
+    return f" Its {' and '.join(missing)} was not measured, so that comparison is not shown." if missing else ""
+
+
+def _budget(
+    memory_budget_bytes: int | None, environment: Mapping[str, Any], machines: Sequence[MachineEnvironment]
+) -> tuple[int | None, str]:
+    """The per-device memory budget and where it comes from: ``--memory-budget``, else the GPU memory the
+    environment records (the smallest of any machine's), else none."""
     if memory_budget_bytes is not None:
-        budget, source = memory_budget_bytes, "--memory-budget"
-    else:
-        budget = gpu_memory_bytes(environment)
-        source = "the GPU memory environment.json records" if budget is not None else "none"
-        # every rank must fit: the smallest GPU of any machine (only machine 0's is in environment.json)
-        sizes = [m.gpu_memory_bytes for m in machines if m.gpu_memory_bytes is not None]
-        if len(machines) > 1 and sizes and (budget is None or min(sizes) < budget):
-            budget, source = min(sizes), "the smallest GPU memory the machines' records hold"
-    frame["on_pareto_front"] = frame.index.isin(front)
+        return memory_budget_bytes, "--memory-budget"
+    budget = gpu_memory_bytes(environment)
+    source = "the GPU memory environment.json records" if budget is not None else "none"
+    # every rank must fit: the smallest GPU of any machine (only machine 0's is in environment.json)
+    sizes = [m.gpu_memory_bytes for m in machines if m.gpu_memory_bytes is not None]
+    if len(machines) > 1 and sizes and (budget is None or min(sizes) < budget):
+        return min(sizes), "the smallest GPU memory the machines' records hold"
+    return budget, source
+
+
+def _mark_fits(frame: pd.DataFrame, budget: int | None) -> None:
+    """``fits_budget``: whether each trial's ``fit_gib`` is within the budget (NA without a budget or a figure)."""
+    import pandas as pd
+
     frame["fits_budget"] = pd.array(
         [None if budget is None or pd.isna(fit) else bool(fit * GIB <= budget) for fit in frame["fit_gib"]],
         dtype="boolean",
     )
-    rec = recommend(frame, budget, source, evidence)
-    frame["recommended"] = frame.index == rec.fastest
-    frame["ties_with_fastest"] = frame.index.isin(rec.fastest_ties)
-    frame["least_memory"] = frame.index == rec.most_frugal
-    return Summary(
-        run_dir=Path(run_dir),
-        environment=environment,
-        trials=frame,
-        baseline=baseline,
-        baseline_note=baseline_note,
-        pareto=tuple(front),
-        recommendation=rec,
-        batch_searches={
-            name: search
-            for name, group in groups
-            if (search := next((r.batch_search for r in group if r.batch_search is not None), None)) is not None
-            and search.max_batch_of is None  # a max-batch row repeats its trial's search
-        },
-        speed=evidence,
-        coverage=coverage,
-        price_per_hour=price_per_hour,
-        machines=tuple(machines),
-        rank_memory=tuple(rank_memory_records(groups)),
-    )
+
+
+def _batch_searches(groups: Sequence[tuple[str, list[TrialResult]]]) -> dict[str, BatchSearchRecord]:
+    """Each searched trial's batch search record (a max-batch row repeats its trial's search, so it is left out)."""
+    return {
+        name: search
+        for name, group in groups
+        if (search := next((r.batch_search for r in group if r.batch_search is not None), None)) is not None
+        and search.max_batch_of is None
+    }
 
 
 def _cost(frame: pd.DataFrame, price_per_hour: float | None) -> None:

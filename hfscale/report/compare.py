@@ -231,8 +231,8 @@ def write_comparison_of(
     """:func:`write_comparison` of two summaries; also returns the significance table (:func:`significance`)."""
     from hfscale.report.plots import plot_compare
 
-    run_a, run_b = a.run_dir, b.run_dir
-    label_a, label_b = _labels(Path(run_a), Path(run_b))
+    run_a, run_b = Path(a.run_dir), Path(b.run_dir)
+    label_a, label_b = _labels(run_a, run_b)
     table = compare_runs(a.trials, b.trials)
     tests = significance(a, b)
     table = table.join(tests.drop(columns=["trial"]))
@@ -240,18 +240,8 @@ def write_comparison_of(
     matched = table[in_a & in_b]
     only_a, only_b = list(table["trial"][in_a & ~in_b]), list(table["trial"][in_b & ~in_a])
     png = plot_compare(matched, label_a, label_b)
-    figures = (
-        [
-            Figure(
-                name="compare.png",
-                title="Throughput and peak memory",
-                caption=f"Bars: {label_a} and {label_b} for each trial in both runs.",
-                png=png,
-            )
-        ]
-        if png
-        else []
-    )
+    caption = f"Bars: {label_a} and {label_b} for each trial in both runs."
+    figures = [Figure(name="compare.png", title="Throughput and peak memory", caption=caption, png=png)] if png else []
     intro = (
         f"Run A: {a.run_dir} ({len(a.trials)} trials); run B: {b.run_dir} ({len(b.trials)} trials); "
         f"{len(matched)} in both. B/A above 1 means B is faster (samples/s, tokens/s) or uses more "
@@ -286,11 +276,7 @@ def write_comparison_of(
         sections=tuple(s for s in sections if s is not None),
         figures=tuple(figures),
     )
-    out = (
-        Path(out_dir)
-        if out_dir is not None
-        else Path(f"compare-{Path(run_a).resolve().name}-vs-{Path(run_b).resolve().name}")
-    )
+    out = Path(out_dir) if out_dir is not None else Path(f"compare-{run_a.resolve().name}-vs-{run_b.resolve().name}")
     csv = table.drop(columns=[c for c in table.columns if c.startswith(("description", "reason", "mfu_pct"))])
     return write_files(out, report, figures, csv, (COMPARE_MD, COMPARE_HTML, COMPARE_CSV)), tests
 

@@ -299,10 +299,38 @@ def noise_sentence(summary: Summary) -> str:
 
 def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
     """The report of one run: recommendation, environment, trials, plots, memory, batch search, failures."""
-    frame = summary.trials
-    rows = records(frame, budget_known=summary.recommendation.budget_bytes is not None)
+    rows = records(summary.trials, budget_known=summary.recommendation.budget_bytes is not None)
     env, full_env = environment_sections(summary.environment)
-    columns = trial_columns(
+    sections = [
+        Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
+        env,
+        *_machine_sections(summary),
+        Section(
+            title="Trials",
+            table=Table.of(_trial_columns(summary), rows, row_class=row_class, css="trials"),
+            notes=(rich(DEFINITIONS), rich(_estimate_parity_definitions())),
+        ),
+        *_budget_sections(summary),
+        *(Section(title=f.title, figure=f) for f in figures),
+        Section(
+            title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
+        ),
+        *_rank_and_batch_sections(summary),
+        *_failure_sections(rows),
+        *([full_env] if full_env is not None else []),
+    ]
+    return Report(
+        title=f"hfscale report: {summary.run_dir.resolve().name}",
+        intro=_intro(summary),
+        sections=tuple(sections),
+        figures=tuple(figures),
+    )
+
+
+def _trial_columns(summary: Summary) -> list[Column]:
+    """The trials table's columns: the optional ones only where some trial has a figure for them."""
+    frame = summary.trials
+    return trial_columns(
         repeats=bool(len(frame)) and bool((frame["runs"] > 1).any()),
         batch_search=bool(summary.batch_searches),
         step_times=bool(frame["step_time_cv_pct"].notna().any()) if len(frame) else False,
@@ -310,79 +338,66 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
         cost=summary.price_per_hour is not None,
         compiled=bool(frame["compiled"].any()) if len(frame) else False,
     )
-    budget = budget_rows(frame, summary.speed) if len(frame) else []
-    sections = [
-        Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
-        env,
-        *(
-            [
-                Section(
-                    title="Machines",
-                    table=Table.text(MACHINE_HEADERS, machine_rows(summary.machines), css="env"),
-                    notes=(plain(MACHINES_NOTE),),
-                )
-            ]
-            if len(summary.machines) > 1
-            else []
-        ),
-        Section(
-            title="Trials",
-            table=Table.of(columns, rows, row_class=row_class, css="trials"),
-            notes=(rich(DEFINITIONS), rich(_estimate_parity_definitions())),
-        ),
-        *(
-            [
-                Section(
-                    title="Fastest trial for each memory budget",
-                    table=Table.of(BUDGET_COLUMNS, budget),
-                    notes=(plain(BUDGET_NOTE),),
-                )
-            ]
-            if budget
-            else []
-        ),
-        *(Section(title=f.title, figure=f) for f in figures),
-        Section(
-            title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
-        ),
-    ]
+
+
+def _machine_sections(summary: Summary) -> list[Section]:
+    """Each machine's environment, for a run over several machines (none for one)."""
+    if len(summary.machines) <= 1:
+        return []
+    table = Table.text(MACHINE_HEADERS, machine_rows(summary.machines), css="env")
+    return [Section(title="Machines", table=table, notes=(plain(MACHINES_NOTE),))]
+
+
+def _budget_sections(summary: Summary) -> list[Section]:
+    """The fastest trial for each memory budget (none when no trial has the figures)."""
+    budget = budget_rows(summary.trials, summary.speed) if len(summary.trials) else []
+    if not budget:
+        return []
+    table = Table.of(BUDGET_COLUMNS, budget)
+    return [Section(title="Fastest trial for each memory budget", table=table, notes=(plain(BUDGET_NOTE),))]
+
+
+def _rank_and_batch_sections(summary: Summary) -> list[Section]:
+    """Memory per rank (ranks on several machines) and the largest batch each searched trial fits, where there are."""
+    sections = []
     if summary.rank_memory:
-        sections.append(
-            Section(
-                title="Memory per rank", table=Table.of(RANK_COLUMNS, summary.rank_memory), notes=(plain(RANK_NOTE),)
-            )
-        )
+        table = Table.of(RANK_COLUMNS, summary.rank_memory)
+        sections.append(Section(title="Memory per rank", table=table, notes=(plain(RANK_NOTE),)))
     if summary.batch_searches:
         batch = [_batch_record(name, record) for name, record in summary.batch_searches.items()]
-        sections.append(
-            Section(title="Largest batch that fits", table=Table.of(BATCH_COLUMNS, batch), notes=(plain(BATCH_NOTE),))
-        )
+        table = Table.of(BATCH_COLUMNS, batch)
+        sections.append(Section(title="Largest batch that fits", table=table, notes=(plain(BATCH_NOTE),)))
+    return sections
+
+
+def _failure_sections(rows: Sequence[Mapping[str, Any]]) -> list[Section]:
+    """A heading, then each trial that did not finish ok: why, and the end of its stderr."""
     failures = [r for r in rows if r["status"] != "ok"]
-    if failures:
-        sections.append(Section(title="Trials that did not finish ok"))
-        for r in failures:
-            tail = r.get("stderr_tail")
-            sections.append(
-                Section(
-                    title=f"{r['trial']}: {r['status']}",
-                    level=3,
-                    paragraphs=(plain(r["description"]), plain(f"Reason: {r.get('reason') or 'not recorded'}")),
-                    code=tail.rstrip()[-3000:] if tail else None,
-                )
+    if not failures:
+        return []
+    sections = [Section(title="Trials that did not finish ok")]
+    for r in failures:
+        tail = r.get("stderr_tail")
+        sections.append(
+            Section(
+                title=f"{r['trial']}: {r['status']}",
+                level=3,
+                paragraphs=(plain(r["description"]), plain(f"Reason: {r.get('reason') or 'not recorded'}")),
+                code=tail.rstrip()[-3000:] if tail else None,
             )
-    if full_env is not None:
-        sections.append(full_env)
+        )
+    return sections
+
+
+def _intro(summary: Summary) -> tuple[Text, ...]:
+    """The counts by status with the baseline, what the recipe ran, and what the speed figures rest on."""
+    frame = summary.trials
     counts = _counts(frame["status"]) if len(frame) else "none"
     intro = [plain(f"{len(frame)} trials: {counts}. {summary.baseline_note}")]
     if summary.coverage is not None:
         intro.append(plain(summary.coverage.sentence()))
     intro.append(plain(noise_sentence(summary)))
-    return Report(
-        title=f"hfscale report: {summary.run_dir.resolve().name}",
-        intro=tuple(intro),
-        sections=tuple(sections),
-        figures=tuple(figures),
-    )
+    return tuple(intro)
 
 
 __all__ = ["Figure", "Report", "Section", "Table", "build_report", "environment_sections", "fmt", "records"]

@@ -84,6 +84,36 @@ def _fit_text(row: pd.Series) -> str:
     return f"{_f(row['fit_gib'], 3)} GiB" + (f" ({source})" if isinstance(source, str) else "")
 
 
+def _leader_lines(pool: pd.DataFrame, evidence: SweepNoise, head: str, tail: str) -> list[Text]:
+    """The fastest of ``pool`` when nothing ties with it, and whether its lead over the runner-up was tested."""
+    leader = pool.iloc[0]
+    lines = [
+        rich(
+            head + " **{name}** ({desc}): {speed}, needs {fit}{tail}.",
+            name=leader["trial"],
+            desc=leader["description"],
+            speed=_speed_text(leader),
+            fit=_fit_text(leader),
+            tail=tail,
+        )
+    ]
+    if len(pool) > 1:
+        runner = pool.iloc[1]
+        _, with_interval = speed_tie(leader, runner, evidence)
+        if not with_interval:
+            lead = 100 * (leader["samples_per_s"] / runner["samples_per_s"] - 1)
+            lines.append(
+                rich(
+                    "Its lead over {other} ({lead:.1f}%) is not tested against the noise: that needs at least "
+                    "two runs of each trial whose runs share the sweep's noise (measure.repeats, or "
+                    "measure.target_precision).",
+                    other=runner["trial"],
+                    lead=lead,
+                )
+            )
+    return lines
+
+
 def _fastest_lines(
     pool: pd.DataFrame, evidence: SweepNoise, head: str
 ) -> tuple[pd.Series, list[Text], tuple[str, ...]]:
@@ -99,31 +129,7 @@ def _fastest_lines(
     vs = leader.get("speedup_vs_baseline")
     tail = "" if vs is None or vs != vs else f", {_f(vs, 2)}x the baseline"
     if len(tied) == 1:
-        lines = [
-            rich(
-                head + " **{name}** ({desc}): {speed}, needs {fit}{tail}.",
-                name=leader["trial"],
-                desc=leader["description"],
-                speed=_speed_text(leader),
-                fit=_fit_text(leader),
-                tail=tail,
-            )
-        ]
-        if len(pool) > 1:
-            runner = pool.iloc[1]
-            _, with_interval = speed_tie(leader, runner, evidence)
-            if not with_interval:
-                lead = 100 * (leader["samples_per_s"] / runner["samples_per_s"] - 1)
-                lines.append(
-                    rich(
-                        "Its lead over {other} ({lead:.1f}%) is not tested against the noise: that needs at least "
-                        "two runs of each trial whose runs share the sweep's noise (measure.repeats, or "
-                        "measure.target_precision).",
-                        other=runner["trial"],
-                        lead=lead,
-                    )
-                )
-        return leader, lines, ()
+        return leader, _leader_lines(pool, evidence, head, tail), ()
     names = [str(r["trial"]) for r in tied]
     marks, values = _names(names)
     speeds = ", ".join(f"{r['trial']} {_f(r['samples_per_s'], 2)}" for r in tied)
@@ -239,6 +245,125 @@ def _other_job_lines(fastest: pd.Series, frame: pd.DataFrame) -> list[Text]:
     return lines
 
 
+_NO_BUDGET = "(no memory budget: none was given with --memory-budget and environment.json records no GPU memory)"
+
+
+def _where(budget: int | None, source: str) -> str:
+    """The budget a speed claim is made under, in words."""
+    return f"within {format_bytes(budget)} per device ({source})" if budget is not None else _NO_BUDGET
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pool:
+    """The ok rows of a report, sorted into those that qualify and those left out, with the reason."""
+
+    candidates: pd.DataFrame
+    """Ok, with throughput and memory measured, and a loss the parity check did not flag."""
+    steady: pd.DataFrame
+    """Candidates not flagged "may be unstable": the only ones recommended on speed."""
+    unstable: pd.DataFrame
+    """Candidates flagged "may be unstable"."""
+    flagged: pd.DataFrame
+    """Ok rows whose loss the parity check flagged."""
+    tracks_unstable: bool
+    """Whether the frame has the ``unstable`` column (a frame without it has no unstable rows)."""
+
+
+def _pool(frame: pd.DataFrame) -> _Pool:
+    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
+    flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
+    flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
+    if "unstable" not in candidates:
+        return _Pool(
+            candidates=candidates, steady=candidates, unstable=candidates.iloc[0:0], flagged=flagged,
+            tracks_unstable=False,
+        )  # fmt: skip
+    unstable_mask = candidates["unstable"].fillna(False).astype(bool)
+    return _Pool(
+        candidates=candidates, steady=candidates[~unstable_mask], unstable=candidates[unstable_mask],
+        flagged=flagged, tracks_unstable=True,
+    )  # fmt: skip
+
+
+def _speed_lines(
+    pool: _Pool, budget: int | None, source: str, evidence: SweepNoise
+) -> tuple[pd.Series | None, list[Text], tuple[str, ...]]:
+    """The speed recommendation: the fastest steady trial within the budget (None when there is none to name), the
+    sentences that say it, and the trials tied with it."""
+    candidates = pool.candidates
+    by_speed = pool.steady.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
+    # A steady trial is recommended on speed only if no trial that may be unstable (and fits) measured faster: a
+    # slower steady trial is not "the fastest", and the faster figure cannot be trusted.
+    contenders = candidates if budget is None else candidates[candidates["fit_gib"] * GIB <= budget]
+    top = contenders.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable").head(1)
+    if not top.empty and pool.tracks_unstable and bool(top["unstable"].fillna(False).iloc[0]):
+        line = rich(
+            "No trial is recommended on speed " + _where(budget, source) + ": the fastest by its figure, **{name}**, "
+            "may be unstable (below), and no steady trial measured faster.",
+            name=top["trial"].iloc[0],
+        )
+        return None, [line], ()
+    if by_speed.empty:
+        line = rich(
+            "No trial can be recommended on speed "
+            + _where(budget, source)
+            + ": every qualifying trial may be unstable (below)."
+        )
+        return None, [line], ()
+    if budget is None:
+        return _fastest_lines(
+            by_speed,
+            evidence,
+            "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
+            "fastest trial overall is",
+        )
+    fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
+    where = _where(budget, source)
+    if not fitting.empty:
+        return _fastest_lines(fitting, evidence, f"Fastest {where}:")
+    smallest = candidates.sort_values("fit_gib").iloc[0]
+    line = rich(
+        "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",
+        name=smallest["trial"],
+        fit=_fit_text(smallest),
+    )
+    return None, [line], ()
+
+
+def _memory_note(candidates: pd.DataFrame) -> Text:
+    """What the memory figures are, and what no allocator figure holds (the CUDA context)."""
+    if not candidates["peak_reserved_gib"].notna().any():
+        return rich(
+            "Only trials with status ok qualify. Memory here is each process's resident set high-water mark "
+            "(CPU training), max over ranks."
+        )
+    outside = outside_allocator_gib(candidates)
+    context = (
+        f"NVML saw up to {outside:.3f} GiB per process outside it in these trials (NVML process use less "
+        "reserved peak: the CUDA context and libraries)"
+        if outside is not None
+        else "it was not measured here (no NVML reading), so measure it on your device"
+    )
+    return rich(
+        "Only trials with status ok qualify. A budget is checked against what the device had to hold: "
+        "NVML's process memory where it was read, else the allocator's reserved peak, max over ranks; the "
+        "CUDA context is in no allocator figure: {context}.",
+        context=context,
+    )
+
+
+def _left_out_lines(pool: _Pool) -> list[Text]:
+    """The ok trials not recommended, and why: may be unstable (not on speed), or a loss the parity check flagged."""
+    lines = []
+    if not pool.unstable.empty:
+        names = "; ".join(f"{r['trial']} ({r['unstable_reason']})" for _, r in pool.unstable.iterrows())
+        lines.append(rich("Not recommended on speed because they may be unstable: {names}.", names=names))
+    if not pool.flagged.empty:
+        names = ", ".join(f"{r['trial']} ({r['parity_reason'] or 'flagged'})" for _, r in pool.flagged.iterrows())
+        lines.append(rich("Left out because their loss was flagged by the parity check: {names}.", names=names))
+    return lines
+
+
 def recommend(
     frame: pd.DataFrame, budget: int | None, source: str, evidence: SweepNoise | None = None
 ) -> Recommendation:
@@ -247,109 +372,18 @@ def recommend(
     reserved peak, else the peak). Trials flagged "may be unstable" are not recommended on speed. Ties (see
     :mod:`hfscale.report.noise`) are named as ties and broken by the other axis."""
     evidence = evidence if evidence is not None else sweep_noise({})
-    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
-    flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
-    flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
-    unstable_mask = candidates["unstable"].fillna(False).astype(bool) if "unstable" in candidates else None
-    unstable = candidates[unstable_mask] if unstable_mask is not None else candidates.iloc[0:0]
-    steady = candidates[~unstable_mask] if unstable_mask is not None else candidates
-    lines: list[Text] = []
-    if candidates.empty:
-        lines.append(
-            rich("No trial finished ok with both throughput and memory measured, so nothing can be recommended.")
-        )
-        return Recommendation(
-            budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None, lines=tuple(lines)
-        )
-
-    by_speed = steady.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
-    fastest, ties = None, ()
-    # A steady trial is recommended on speed only if no trial that may be unstable (and fits) measured faster: a
-    # slower steady trial is not "the fastest", and the faster figure cannot be trusted.
-    contenders = candidates if budget is None else candidates[candidates["fit_gib"] * GIB <= budget]
-    top = contenders.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable").head(1)
-    if not top.empty and unstable_mask is not None and bool(top["unstable"].fillna(False).iloc[0]):
-        where = (
-            f"within {format_bytes(budget)} per device ({source})"
-            if budget is not None
-            else "(no memory budget: none was given with --memory-budget and environment.json records no GPU memory)"
-        )
-        lines.append(
-            rich(
-                "No trial is recommended on speed " + where + ": the fastest by its figure, **{name}**, may be "
-                "unstable (below), and no steady trial measured faster.",
-                name=top["trial"].iloc[0],
-            )
-        )
-        by_speed = by_speed.iloc[0:0]
-    speed_said = bool(lines)
-    if speed_said:
-        pass  # said above: no speed claim
-    elif by_speed.empty:
-        where = (
-            f"within {format_bytes(budget)} per device ({source})"
-            if budget is not None
-            else "(no memory budget: none was given with --memory-budget and environment.json records no GPU memory)"
-        )
-        lines.append(
-            rich("No trial can be recommended on speed " + where + ": every qualifying trial may be unstable (below).")
-        )
-    elif budget is None:
-        fastest, said, ties = _fastest_lines(
-            by_speed,
-            evidence,
-            "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
-            "fastest trial overall is",
-        )
-        lines += said
-    else:
-        fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
-        where = f"within {format_bytes(budget)} per device ({source})"
-        if not fitting.empty:
-            fastest, said, ties = _fastest_lines(fitting, evidence, f"Fastest {where}:")
-            lines += said
-        else:
-            smallest = candidates.sort_values("fit_gib").iloc[0]
-            lines.append(
-                rich(
-                    "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",
-                    name=smallest["trial"],
-                    fit=_fit_text(smallest),
-                )
-            )
+    pool = _pool(frame)
+    if pool.candidates.empty:
+        line = rich("No trial finished ok with both throughput and memory measured, so nothing can be recommended.")
+        return Recommendation(budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None, lines=(line,))
+    fastest, said, ties = _speed_lines(pool, budget, source, evidence)
+    lines = list(said)
     if fastest is not None:
         lines += _other_job_lines(fastest, frame)
-    frugal, said = _frugal_lines(candidates, evidence)
+    frugal, said = _frugal_lines(pool.candidates, evidence)
     lines += said
-    if candidates["peak_reserved_gib"].notna().any():
-        outside = outside_allocator_gib(candidates)
-        context = (
-            f"NVML saw up to {outside:.3f} GiB per process outside it in these trials (NVML process use less "
-            "reserved peak: the CUDA context and libraries)"
-            if outside is not None
-            else "it was not measured here (no NVML reading), so measure it on your device"
-        )
-        lines.append(
-            rich(
-                "Only trials with status ok qualify. A budget is checked against what the device had to hold: "
-                "NVML's process memory where it was read, else the allocator's reserved peak, max over ranks; the "
-                "CUDA context is in no allocator figure: {context}.",
-                context=context,
-            )
-        )
-    else:
-        lines.append(
-            rich(
-                "Only trials with status ok qualify. Memory here is each process's resident set high-water mark "
-                "(CPU training), max over ranks."
-            )
-        )
-    if not unstable.empty:
-        names = "; ".join(f"{r['trial']} ({r['unstable_reason']})" for _, r in unstable.iterrows())
-        lines.append(rich("Not recommended on speed because they may be unstable: {names}.", names=names))
-    if not flagged.empty:
-        names = ", ".join(f"{r['trial']} ({r['parity_reason'] or 'flagged'})" for _, r in flagged.iterrows())
-        lines.append(rich("Left out because their loss was flagged by the parity check: {names}.", names=names))
+    lines.append(_memory_note(pool.candidates))
+    lines += _left_out_lines(pool)
     return Recommendation(
         budget_bytes=budget,
         budget_source=source,

@@ -15,11 +15,11 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hfscale.core.files import utc_now, write_atomic
 from hfscale.core.units import GIB
 from hfscale.results.run_folder import MACHINES_DIR
 
@@ -321,7 +321,7 @@ def collect_environment(*, python: str = sys.executable, extra: dict[str, Any] |
         extra: more keys to record (the sweep adds its launch: processes, machines, command line).
     """
     record: dict[str, Any] = {
-        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "time": utc_now(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -405,7 +405,7 @@ def write_machine_environment(
     """Write this machine's environment record to ``machines/machine-{rank}.json`` of a run folder; returns it.
 
     Every machine's sweep driver calls this at sweep start (machine 0 too), so the report lists each machine's
-    GPUs, driver and host. The write is atomic (a temporary file, then ``os.replace``): a report reading while a
+    GPUs, driver and host. The write is atomic (:func:`hfscale.core.files.write_atomic`): a report reading while a
     machine writes sees the old record or the new one, never half of one.
 
     Args:
@@ -425,13 +425,8 @@ def write_machine_environment(
     data["machine_rank"] = machine_rank
     path = machine_environment_path(run_dir, machine_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # pid in the name: two drivers that claim the same rank never share a temporary file
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # the temporary file has the pid in its name: two drivers that claim the same rank never share one
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -60,7 +60,8 @@ import logging
 import math
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from hfscale.records.parity import DEFAULT_NOISE_K, ParityResult
 
@@ -108,6 +109,32 @@ def step_noise(values: Sequence[float], window: int) -> float:
     return 1.4826 * mad / shrink if shrink else 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Settings:
+    """The settings of one check, recorded in its :class:`ParityResult` beside the verdict."""
+
+    rel_tolerance: float
+    abs_tolerance: float
+    window: int
+    noise_k: float
+    loss_scale: float
+
+    def __post_init__(self) -> None:
+        if self.rel_tolerance < 0 or self.abs_tolerance < 0 or self.noise_k < 0:
+            raise ValueError(
+                f"tolerances must be >= 0, got rel {self.rel_tolerance}, abs {self.abs_tolerance} and "
+                f"noise_k {self.noise_k}"
+            )
+        if self.window < 1:
+            raise ValueError(f"window must be positive, got {self.window}")
+        if self.loss_scale <= 0:
+            raise ValueError(f"loss_scale must be positive, got {self.loss_scale}")
+
+    def band(self, level: float, noise: float) -> float:
+        """How far a smoothed curve may stray from the baseline's at ``level`` when its step noise is ``noise``."""
+        return max(self.rel_tolerance * abs(level) + self.abs_tolerance, self.noise_k * noise)
+
+
 def check_parity(
     baseline_curve: Sequence[float],
     curve: Sequence[float],
@@ -128,40 +155,17 @@ def check_parity(
     Raises:
         ValueError: on a negative tolerance or ``noise_k``, a window below 1 or a non-positive ``loss_scale``.
     """
-    if rel_tolerance < 0 or abs_tolerance < 0 or noise_k < 0:
-        raise ValueError(f"tolerances must be >= 0, got rel {rel_tolerance}, abs {abs_tolerance} and noise_k {noise_k}")
-    if window < 1:
-        raise ValueError(f"window must be positive, got {window}")
-    if loss_scale <= 0:
-        raise ValueError(f"loss_scale must be positive, got {loss_scale}")
+    settings = _Settings(
+        rel_tolerance=rel_tolerance, abs_tolerance=abs_tolerance, window=window, noise_k=noise_k,
+        loss_scale=loss_scale,
+    )  # fmt: skip
     base = [float(x) for x in baseline_curve]
     trial = [float(x) / loss_scale for x in curve]
-    common = dict(
-        baseline_steps=len(base),
-        trial_steps=len(trial),
-        rel_tolerance=rel_tolerance,
-        abs_tolerance=abs_tolerance,
-        window=window,
-        noise_k=noise_k,
-        loss_scale=loss_scale,
-    )
-
-    def not_compared(reason: str) -> ParityResult:
-        return ParityResult(
-            flagged=False,
-            reason=reason,
-            compared=False,
-            max_rel_deviation=0.0,
-            worst_step=None,
-            final_rel_deviation=0.0,
-            steps_compared=0,
-            **common,
-        )
-
+    common = {"baseline_steps": len(base), "trial_steps": len(trial), **dataclasses.asdict(settings)}
     if not trial:
-        return not_compared("the trial logged no loss")
+        return _not_compared("the trial logged no loss", common)
     if not base:
-        return not_compared("the baseline logged no loss")
+        return _not_compared("the baseline logged no loss", common)
     n = min(len(base), len(trial))
     bad = next((i for i, x in enumerate(trial[:n]) if not math.isfinite(x)), None)
     if bad is not None:
@@ -176,33 +180,52 @@ def check_parity(
             **common,
         )
     if not all(math.isfinite(x) for x in base[:n]):
-        return not_compared("the baseline's loss is not finite")
+        return _not_compared("the baseline's loss is not finite", common)
+    return _compare(base, trial, settings, common)
 
+
+def _not_compared(reason: str, common: dict[str, Any]) -> ParityResult:
+    return ParityResult(
+        flagged=False,
+        reason=reason,
+        compared=False,
+        max_rel_deviation=0.0,
+        worst_step=None,
+        final_rel_deviation=0.0,
+        steps_compared=0,
+        **common,
+    )
+
+
+def _compare(base: list[float], trial: list[float], settings: _Settings, common: dict[str, Any]) -> ParityResult:
+    """Steps 3 to 6 of the module docstring, over the common prefix of two finite curves."""
+    n, window = min(len(base), len(trial)), settings.window
     smooth_base = smooth(base[:n], window)
     smooth_trial = smooth(trial[:n], window)
     noise = step_noise(base[:n], window) * math.sqrt(2 / window)
     deviations = [abs(t - b) for t, b in zip(smooth_trial, smooth_base, strict=True)]
     rel = [d / abs(b) if b else (0.0 if d == 0 else math.inf) for d, b in zip(deviations, smooth_base, strict=True)]
     worst = max(range(n), key=lambda i: rel[i])
-    bands = [max(rel_tolerance * abs(b) + abs_tolerance, noise_k * noise) for b in smooth_base]
+    bands = [settings.band(b, noise) for b in smooth_base]
     outside = [i for i in range(n) if deviations[i] > bands[i]]
     mean_base, mean_trial = math.fsum(base[:n]) / n, math.fsum(trial[:n]) / n
     mean_dev = mean_trial - mean_base
     mean_rel = mean_dev / abs(mean_base) if mean_base else (0.0 if mean_dev == 0 else math.inf)
-    shifted = abs(mean_dev) > rel_tolerance * abs(mean_base) + abs_tolerance
+    shifted = abs(mean_dev) > settings.rel_tolerance * abs(mean_base) + settings.abs_tolerance
     reason = None
     if outside:
         first = outside[0]
         sigmas = f", {deviations[first] / noise:.1f} noise" if noise > 0 else ""
         reason = (
             f"smoothed loss {smooth_trial[first]:.4g} vs baseline {smooth_base[first]:.4g} at step {first + 1} "
-            f"({rel[first]:+.0%}{sigmas}; band {bands[first]:.3g} = max({rel_tolerance:.0%} + {abs_tolerance:g}, "
-            f"{noise_k:g} x noise {noise:.3g})); worst {rel[worst]:.0%} at step {worst + 1}"
+            f"({rel[first]:+.0%}{sigmas}; band {bands[first]:.3g} = max({settings.rel_tolerance:.0%} + "
+            f"{settings.abs_tolerance:g}, {settings.noise_k:g} x noise {noise:.3g})); worst {rel[worst]:.0%} at "
+            f"step {worst + 1}"
         )
     elif shifted:
         reason = (
             f"mean loss {mean_trial:.4g} vs baseline {mean_base:.4g} over {n} steps ({mean_rel:+.1%} > "
-            f"{rel_tolerance:.0%} + {abs_tolerance:g})"
+            f"{settings.rel_tolerance:.0%} + {settings.abs_tolerance:g})"
         )
     note = None
     if len(base) != len(trial):
@@ -247,6 +270,15 @@ def _median_ratio(row: TrialResult, baseline: TrialResult, *, steps: int = SCALE
     ratios = [t / b for t, b in zip(row.loss_curve[:n], baseline.loss_curve[:n], strict=True) if b]
     ratios = [r for r in ratios if math.isfinite(r) and r > 0]
     return statistics.median(ratios) if ratios else None
+
+
+def _scale_note(row: TrialResult, baseline: TrialResult, scale: int) -> str:
+    """Why a trial's curve was divided by ``scale`` before the check."""
+    return (
+        f"loss logged x{scale} (median ratio {_median_ratio(row, baseline):.3g} over the first {SCALE_STEPS} "
+        "steps; gradient accumulation / process count differ from the baseline's; transformers sums or does "
+        "not average it): compared after dividing by it"
+    )
 
 
 def annotate_rows(
@@ -305,11 +337,7 @@ def annotate_rows(
             loss_scale=scale,
         )
         if scale != 1:
-            note = (
-                f"loss logged x{scale} (median ratio {_median_ratio(row, baseline):.3g} over the first {SCALE_STEPS} "
-                "steps; gradient accumulation / process count differ from the baseline's; transformers sums or does "
-                "not average it): compared after dividing by it"
-            )
+            note = _scale_note(row, baseline, scale)
             result = dataclasses.replace(result, note=f"{note}; {result.note}" if result.note else note)
         if result.flagged:
             logger.warning("trial %s: loss diverges from baseline %s: %s", row.trial, baseline.trial, result.reason)

@@ -38,10 +38,11 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from hfscale.core.files import utc_now, write_atomic
 from hfscale.records.row import SCHEMA_VERSION, TrialResult, row_from_json, to_json_text
 
 logger = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ class RunFolder:
         except OSError as exc:  # read-only, or no space for the lock file
             raise RunFolderWriteError(self.lock_path, exc) from exc
         try:
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc_now()}
+            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": utc_now()}
             # never truncated on open: see filelock #591; only informative, so a full disk does not stop here
             with contextlib.suppress(OSError), open(self.lock_path, "r+", encoding="utf-8") as fh:
                 fh.truncate(0)
@@ -398,16 +399,11 @@ class RunFolder:
         keep = [line for number, line in enumerate(lines, 1) if number not in drop]
         with open(self.corrupt_path, "a", encoding="utf-8") as fh:
             for bad in moved:
-                fh.write(json.dumps({"line": bad.number, "error": bad.error, "text": bad.text, "moved_at": _utc_now()}))
+                fh.write(json.dumps({"line": bad.number, "error": bad.error, "text": bad.text, "moved_at": utc_now()}))
                 fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        tmp = self.results_path.with_name(RESULTS_FILE + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(b"".join(line + b"\n" for line in keep))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.results_path)
+        write_atomic(self.results_path, b"".join(line + b"\n" for line in keep), fsync=True)
         for bad in moved:
             logger.info(
                 "%s:%d: not a valid row (%s); moved to %s",
@@ -432,13 +428,9 @@ class RunFolder:
         Raises:
             RunFolderWriteError: when it cannot be written; the earlier record is kept.
         """
-        tmp = self.environment_path.with_name(ENVIRONMENT_FILE + ".tmp")
         try:
-            tmp.write_text(json.dumps(environment, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, self.environment_path)
+            write_atomic(self.environment_path, json.dumps(environment, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise RunFolderWriteError(self.environment_path, exc) from exc
 
     def record_resume(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -454,10 +446,6 @@ class RunFolder:
             shutil.copyfile(source, self.recipe_path)
         except OSError as exc:
             raise RunFolderWriteError(self.recipe_path, exc) from exc
-
-
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def read_results(run_dir: str | os.PathLike[str]) -> list[TrialResult]:

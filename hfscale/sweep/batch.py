@@ -13,7 +13,8 @@ about ``2 + log2(start)`` probes.
 
 For a sweep's trial (``--find-max-batch``), :func:`search_trial` chooses the start, counts the trial's own run as the
 probe at its batch size, sizes each probe (:func:`probe_spec`) and returns the :class:`BatchSearchRecord` its row
-stores; the sweep gives it a callable that launches one probe as its own process group.
+stores; the sweep gives it a callable that launches one probe as its own process group. What the rows at the
+largest batch are (a recipe's ``sweep.batch``) is :mod:`hfscale.sweep.batch_axis`'.
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ from hfscale.records.batch import (
     BatchSearchResult,
     ProbeOutcome,
     ProbeStatus,
-    max_batch_base,
-    max_batch_name,
 )
 
 if TYPE_CHECKING:
-    from hfscale.launch.plan import PlannedRun, SweepSettings
-    from hfscale.recipes.recipe import Recipe, RecipeTrial, SweepOptions
+    from hfscale.launch.plan import SweepSettings
+    from hfscale.recipes.schema import RecipeTrial
     from hfscale.records.row import TrialResult
     from hfscale.workload.spec import TrialSpec
 
@@ -63,76 +62,105 @@ def find_max_batch(
 
     Raises:
         ValueError: when ``upper_limit`` or ``multiple_of`` is not positive.
+        TypeError: when ``probe`` returns something other than a :class:`ProbeOutcome`.
     """
     if upper_limit < 1 or multiple_of < 1:
         raise ValueError(f"upper_limit and multiple_of must be positive, got {upper_limit} and {multiple_of}")
     start = min(max(1, int(start)), upper_limit)
     if multiple_of > 1 and start > multiple_of:
         start -= start % multiple_of
-    probes: list[BatchProbe] = []
-    seen: dict[int, ProbeOutcome] = {}
+    search = _Search(probe=probe, on_probe=on_probe, start=start, upper_limit=upper_limit)
+    outcome = search.run(start)
+    if outcome.status == "error":
+        return search.result(None, None, _stopped(start, outcome))
+    if outcome.status == "fits":
+        fit, oom, stopped = _double(search, start, upper_limit)
+    else:
+        fit, oom, stopped = _halve(search, start, multiple_of)
+    if stopped is not None or fit is None or oom is None:
+        return search.result(fit, oom, stopped)
+    return _bisect(search, fit, oom, multiple_of)
 
-    def run(batch: int) -> ProbeOutcome:
-        if batch in seen:
-            return seen[batch]
-        outcome = probe(batch)
+
+@dataclasses.dataclass(kw_only=True)
+class _Search:
+    """The probes of one search: each size probed once, in the order probed."""
+
+    probe: Callable[[int], ProbeOutcome]
+    on_probe: Callable[[BatchProbe], None] | None
+    start: int
+    upper_limit: int
+    probes: list[BatchProbe] = dataclasses.field(default_factory=list)
+    seen: dict[int, ProbeOutcome] = dataclasses.field(default_factory=dict)
+
+    def run(self, batch: int) -> ProbeOutcome:
+        if batch in self.seen:
+            return self.seen[batch]
+        outcome = self.probe(batch)
         if not isinstance(outcome, ProbeOutcome):
             raise TypeError(f"probe({batch}) returned {type(outcome).__name__}, expected ProbeOutcome")
-        seen[batch] = outcome
+        self.seen[batch] = outcome
         record = BatchProbe(batch_size=batch, outcome=outcome)
-        probes.append(record)
+        self.probes.append(record)
         logger.info("batch %d: %s%s", batch, outcome.status, f" ({outcome.reason})" if outcome.reason else "")
-        if on_probe is not None:
-            on_probe(record)
+        if self.on_probe is not None:
+            self.on_probe(record)
         return outcome
 
-    def result(fit: int | None, oom: int | None, stopped: str | None = None) -> BatchSearchResult:
+    def result(self, fit: int | None, oom: int | None, stopped: str | None = None) -> BatchSearchResult:
         return BatchSearchResult(
             max_batch_size=fit,
             first_oom_batch_size=oom,
-            probes=tuple(probes),
+            probes=tuple(self.probes),
             stopped_reason=stopped,
-            reached_upper_limit=fit == upper_limit,
-            start=start,
+            reached_upper_limit=fit == self.upper_limit,
+            start=self.start,
         )
 
-    def error(batch: int, outcome: ProbeOutcome) -> str:
-        return f"batch {batch}: {outcome.reason or 'failed without an out-of-memory error'}"
 
-    fit: int | None = None
+_Bounds = tuple[int | None, int | None, str | None]
+"""(largest size that fitted, smallest that ran out of memory, why the search stopped early)."""
+
+
+def _stopped(batch: int, outcome: ProbeOutcome) -> str:
+    return f"batch {batch}: {outcome.reason or 'failed without an out-of-memory error'}"
+
+
+def _double(search: _Search, fit: int, upper_limit: int) -> _Bounds:
+    """From a size that fits: double (capped at ``upper_limit``) until a size runs out of memory."""
     oom: int | None = None
-    outcome = run(start)
-    if outcome.status == "error":
-        return result(None, None, error(start, outcome))
-    if outcome.status == "fits":
-        fit = start
-        while oom is None and fit < upper_limit:
-            nxt = min(fit * 2, upper_limit)
-            outcome = run(nxt)
-            if outcome.status == "error":
-                return result(fit, None, error(nxt, outcome))
-            if outcome.status == "fits":
-                fit = nxt
-            else:
-                oom = nxt
-        if oom is None:
-            return result(fit, None)
-    else:
-        oom = start
-        while fit is None and oom > 1:
-            nxt = max(oom // 2, 1)
-            if multiple_of > 1 and nxt > multiple_of:
-                nxt -= nxt % multiple_of
-            outcome = run(nxt)
-            if outcome.status == "error":
-                return result(None, oom, error(nxt, outcome))
-            if outcome.status == "fits":
-                fit = nxt
-            else:
-                oom = nxt
-        if fit is None:
-            return result(None, oom)
+    while oom is None and fit < upper_limit:
+        nxt = min(fit * 2, upper_limit)
+        outcome = search.run(nxt)
+        if outcome.status == "error":
+            return fit, None, _stopped(nxt, outcome)
+        if outcome.status == "fits":
+            fit = nxt
+        else:
+            oom = nxt
+    return fit, oom, None
 
+
+def _halve(search: _Search, oom: int, multiple_of: int) -> _Bounds:
+    """From a size that does not fit: halve (kept a multiple of ``multiple_of``) until a size fits."""
+    fit: int | None = None
+    while fit is None and oom > 1:
+        nxt = max(oom // 2, 1)
+        if multiple_of > 1 and nxt > multiple_of:
+            nxt -= nxt % multiple_of
+        outcome = search.run(nxt)
+        if outcome.status == "error":
+            return None, oom, _stopped(nxt, outcome)
+        if outcome.status == "fits":
+            fit = nxt
+        else:
+            oom = nxt
+    return fit, oom, None
+
+
+def _bisect(search: _Search, fit: int, oom: int, multiple_of: int) -> BatchSearchResult:
+    """Between a size that fits and a larger one that does not, until they are adjacent (or ``multiple_of``
+    apart)."""
     step = multiple_of if fit >= multiple_of else 1
     while oom - fit > step:
         mid = (fit + oom) // 2
@@ -140,14 +168,14 @@ def find_max_batch(
             mid -= mid % step
             if mid <= fit:
                 break
-        outcome = run(mid)
+        outcome = search.run(mid)
         if outcome.status == "error":
-            return result(fit, oom, error(mid, outcome))
+            return search.result(fit, oom, _stopped(mid, outcome))
         if outcome.status == "fits":
             fit = mid
         else:
             oom = mid
-    return result(fit, oom)
+    return search.result(fit, oom)
 
 
 def suggest_start_batch(
@@ -291,22 +319,8 @@ def search_trial(
         progress(f"batch search: probing batch {batch}")
         return launch_probe(probed)
 
-    def report(p: BatchProbe) -> None:
-        o = p.outcome
-        detail = (
-            f"{o.samples_per_s:.2f} samples/s" if o.samples_per_s is not None else " ".join((o.reason or "").split())
-        )
-        progress(f"batch {p.batch_size}: {o.status}" + (f" ({detail[:100]})" if detail else ""))
-
-    result = find_max_batch(probe, start=start, upper_limit=upper_limit, on_probe=report)
-    found = (
-        f"largest batch that fits: {result.max_batch_size}"
-        + (f" ({result.samples_per_s:.2f} samples/s)" if result.samples_per_s is not None else "")
-        + (f", out of memory at {result.first_oom_batch_size}" if result.first_oom_batch_size else "")
-        + (f" (the upper limit {upper_limit}: may be higher)" if result.reached_upper_limit else "")
-        + (f"; stopped: {result.stopped_reason}" if result.stopped_reason else "")
-    )
-    progress(f"{found} ({len(result.probes)} probes)")
+    result = find_max_batch(probe, start=start, upper_limit=upper_limit, on_probe=lambda p: progress(_probe_line(p)))
+    progress(_found_line(result, upper_limit))
     reused = own is not None and any(p.batch_size == own_batch for p in result.probes)
     return BatchSearchRecord(
         searched=True,
@@ -319,123 +333,26 @@ def search_trial(
     )
 
 
-# -- batch size as an axis: rows at the largest batch (a recipe's `sweep.batch`) -------------------------------------
+def _probe_line(p: BatchProbe) -> str:
+    o = p.outcome
+    detail = f"{o.samples_per_s:.2f} samples/s" if o.samples_per_s is not None else " ".join((o.reason or "").split())
+    return f"batch {p.batch_size}: {o.status}" + (f" ({detail[:100]})" if detail else "")
 
 
-def batch_settings(options: SweepOptions, settings: SweepSettings) -> SweepSettings:
-    """The sweep's settings with the recipe's ``sweep.max_batch_limit``, unless ``--max-batch-limit`` was given (a
-    CPU recipe needs a small one: without a memory limit nothing runs out of memory there, and the search would
-    double up to the default). Which trials are searched is each trial's ``batch`` (:func:`searched`)."""
-    if options.max_batch_limit is not None and "max_batch_limit" not in settings.given():
-        return dataclasses.replace(settings, max_batch_limit=options.max_batch_limit)
-    return settings
+def _found_line(result: BatchSearchResult, upper_limit: int) -> str:
+    found = (
+        f"largest batch that fits: {result.max_batch_size}"
+        + (f" ({result.samples_per_s:.2f} samples/s)" if result.samples_per_s is not None else "")
+        + (f", out of memory at {result.first_oom_batch_size}" if result.first_oom_batch_size else "")
+        + (f" (the upper limit {upper_limit}: may be higher)" if result.reached_upper_limit else "")
+        + (f"; stopped: {result.stopped_reason}" if result.stopped_reason else "")
+    )
+    return f"{found} ({len(result.probes)} probes)"
 
 
 def searched(trial: RecipeTrial, settings: SweepSettings) -> bool:
     """Whether the sweep searches the trial's largest batch: ``--find-max-batch``, or its ``batch: max|both``."""
     return settings.find_max_batch or trial.batch != "fixed"
-
-
-def comparison_baseline(recipe: Recipe) -> str:
-    """The trial the others are compared with: the recipe's baseline, or when that trial is compared at the
-    largest batch only (``batch: max``) its max-batch row."""
-    base = next((t for t in recipe.trials if t.name == recipe.baseline), None)
-    return max_batch_name(recipe.baseline) if base is not None and base.batch == "max" else recipe.baseline
-
-
-def fixed_batch_trials(trials: list[RecipeTrial]) -> list[RecipeTrial]:
-    """The trials as the sweep runs them at their own batch: a ``batch: max`` trial once (that run is the search's
-    first probe, not the comparison, so it needs no repeats); the others unchanged."""
-    out = []
-    for trial in trials:
-        if trial.batch == "max":
-            measure = dataclasses.replace(trial.spec.measure, repeats=1, target_precision=None)
-            trial = dataclasses.replace(trial, spec=dataclasses.replace(trial.spec, measure=measure))
-        out.append(trial)
-    return out
-
-
-def max_batch_trial(
-    trial: RecipeTrial, record: BatchSearchRecord | None, *, original: RecipeTrial | None = None
-) -> RecipeTrial | None:
-    """``trial`` at the largest per-device batch its search found, named :func:`max_batch_name`; None when there
-    is no such batch (not searched, none fitted).
-
-    The data set is resized so that the row trains the same number of optimizer steps per epoch as the trial (a
-    larger batch over the same samples would leave fewer timed steps, or none): throughput is then measured over
-    as many steps at either batch. ``original`` (the recipe's trial, before :func:`fixed_batch_trials`) gives the
-    measure section (repeats) of the row.
-
-    Raises:
-        StrategyError: when the strategy refuses the batch size (the search probed it, so it does not).
-    """
-    if record is None or not record.searched or record.result is None or record.result.max_batch_size is None:
-        return None
-    import math
-
-    spec = trial.spec
-    batch = record.result.max_batch_size
-    strategy = spec.strategy.replace(name=max_batch_name(trial.name), per_device_batch_size=batch)
-    steps = max(1, math.ceil(spec.data.num_samples / spec.strategy.global_batch_size))
-    measure = (original or trial).spec.measure
-    new_spec = dataclasses.replace(
-        spec,
-        name=strategy.name,
-        strategy=strategy,
-        data=dataclasses.replace(spec.data, num_samples=steps * strategy.global_batch_size),
-        measure=measure,
-    )
-    return dataclasses.replace(trial, spec=new_spec, source=f"{trial.source} at its largest batch ({batch})")
-
-
-def max_batch_runs(
-    runs: list[PlannedRun], stored: dict[tuple[str, int], TrialResult], recipe: Recipe
-) -> list[PlannedRun]:
-    """The max-batch rows still to run: one trial per ``batch: max|both`` trial of ``runs`` whose row in ``stored``
-    found a largest batch, with the recipe's repeats, interleaved like the planned runs; rows already in ``stored``
-    are left out (a resumed sweep runs only what is missing). A trial that asks for a target precision gets two
-    runs (the least that rule asks for); the sweep's extra rounds toward the target follow the planned runs only.
-
-    Raises:
-        StrategyError: as :func:`max_batch_trial`.
-    """
-    originals = {t.name: t for t in recipe.trials}
-    trials = []
-    for run in runs:
-        row = stored.get(run.key)
-        if run.repeat != 0 or row is None or run.trial.batch == "fixed":
-            continue
-        trial = max_batch_trial(run.trial, row.batch_search, original=originals.get(run.name))
-        if trial is not None:
-            trials.append((run, trial))
-
-    def count(trial: RecipeTrial) -> int:
-        measure = trial.spec.measure
-        return measure.repeats if measure.target_precision is None else max(2, measure.repeats)
-
-    out: list[PlannedRun] = []
-    for repeat in range(max((count(t) for _, t in trials), default=0)):
-        for run, trial in trials:
-            if repeat < count(trial) and (trial.name, repeat) not in stored:
-                out.append(
-                    dataclasses.replace(
-                        run, trial=trial, repeat=repeat, index=len(runs) + len(out), skip_reason=None, estimate=None,
-                        estimate_error=None, predicted_oom=False,
-                    )
-                )  # fmt: skip
-    return out
-
-
-def mark_max_batch(row: TrialResult, run: PlannedRun, stored: dict[tuple[str, int], TrialResult]) -> TrialResult:
-    """A max-batch row with its trial's search record, marked :attr:`BatchSearchRecord.max_batch_of` (what the
-    report reads to say the row ran another batch)."""
-    of = max_batch_base(run.name) or run.name
-    found = stored.get((of, 0))
-    record = found.batch_search if found is not None else None
-    if record is None:
-        record = BatchSearchRecord(searched=False, reason=f"the max-batch row of {of}")
-    marked = dataclasses.replace(record, max_batch_of=of, trial_run_batch_size=None)
-    return dataclasses.replace(row, batch_search=marked)
 
 
 __all__ = [
@@ -445,15 +362,7 @@ __all__ = [
     "BatchSearchResult",
     "ProbeOutcome",
     "ProbeStatus",
-    "batch_settings",
-    "comparison_baseline",
     "find_max_batch",
-    "fixed_batch_trials",
-    "mark_max_batch",
-    "max_batch_base",
-    "max_batch_name",
-    "max_batch_runs",
-    "max_batch_trial",
     "probe_spec",
     "search_key",
     "search_trial",

@@ -80,72 +80,80 @@ class _Store:
         self.lock = threading.Lock()
 
 
-def _handler(store: _Store, token: str | None) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def _refuse(self, code: int) -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+class _Handler(BaseHTTPRequestHandler):
+    """Machine 0's answers: a value by its key (GET), a follower's own key written (PUT); :func:`_handler` gives it
+    its store and token."""
 
-        def _allowed(self) -> bool:
-            """The shared token matches (or machine 0 has none); else answers 403."""
-            if token is not None:
-                given = self.headers.get(_TOKEN_HEADER) or ""
-                if not hmac.compare_digest(given.encode("utf-8"), token.encode("utf-8")):
-                    self._refuse(403)
-                    return False
-            machine = self.headers.get(_MACHINE_HEADER)
-            if machine is not None and machine.isdigit():
-                with store.lock:
-                    store.last_seen[int(machine)] = time.monotonic()
-            return True
+    store: _Store
+    token: str | None
 
-        def do_GET(self) -> None:
-            if not self._allowed():
-                return
-            key = self.path.lstrip("/")
-            with store.lock:
-                found, value = key in store.values, store.values.get(key)
-            if not found:
-                self.send_response(404)
-                self.end_headers()
-                return
-            body = json.dumps(value).encode("utf-8")
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def _refuse(self, code: int) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
-        def do_PUT(self) -> None:
-            if not self._allowed():
-                return
-            if not _WRITABLE.fullmatch(self.path.lstrip("/")):
+    def _allowed(self) -> bool:
+        """The shared token matches (or machine 0 has none); else answers 403."""
+        if self.token is not None:
+            given = self.headers.get(_TOKEN_HEADER) or ""
+            if not hmac.compare_digest(given.encode("utf-8"), self.token.encode("utf-8")):
                 self._refuse(403)
-                return
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                self._refuse(400)
-                return
-            if length < 0 or length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._refuse(413)
-                return
-            try:
-                value = json.loads(self.rfile.read(length) or b"null")
-            except ValueError:
-                self._refuse(400)
-                return
-            with store.lock:
-                store.values[self.path.lstrip("/")] = value
-            self.send_response(204)
+                return False
+        machine = self.headers.get(_MACHINE_HEADER)
+        if machine is not None and machine.isdigit():
+            with self.store.lock:
+                self.store.last_seen[int(machine)] = time.monotonic()
+        return True
+
+    def do_GET(self) -> None:
+        if not self._allowed():
+            return
+        key = self.path.lstrip("/")
+        with self.store.lock:
+            found, value = key in self.store.values, self.store.values.get(key)
+        if not found:
+            self.send_response(404)
             self.end_headers()
+            return
+        body = json.dumps(value).encode("utf-8")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("coordinator: " + format, *args)
+    def do_PUT(self) -> None:
+        if not self._allowed():
+            return
+        if not _WRITABLE.fullmatch(self.path.lstrip("/")):
+            self._refuse(403)
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self._refuse(400)
+            return
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True
+            self._refuse(413)
+            return
+        try:
+            value = json.loads(self.rfile.read(length) or b"null")
+        except ValueError:
+            self._refuse(400)
+            return
+        with self.store.lock:
+            self.store.values[self.path.lstrip("/")] = value
+        self.send_response(204)
+        self.end_headers()
 
-    return Handler
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("coordinator: " + format, *args)
+
+
+def _handler(store: _Store, token: str | None) -> type[BaseHTTPRequestHandler]:
+    """A handler class bound to ``store`` and ``token`` (the server makes one handler per request)."""
+    return type("Handler", (_Handler,), {"store": store, "token": token})
 
 
 class Coordinator:

@@ -9,7 +9,7 @@ from pathlib import Path
 from hfscale.core.units import GIB
 from hfscale.launch.group import LaunchInfo, trial_command
 from hfscale.launch.plan import PlannedRun, SweepSettings, device_not_visible, estimate_runs, memory_budget, plan_runs
-from hfscale.recipes.recipe import Recipe
+from hfscale.recipes.schema import Recipe
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
 

@@ -6,7 +6,7 @@ rank 0) is the *driver*; the other ranks exit at once (status 0). The driver lau
 group (:mod:`hfscale.launch.group`); a trial that does not pin ``num_processes``/``num_machines`` in the recipe gets the
 outer launch's counts (or ``--num-processes``/ ``--num-machines``). On several machines each runs a driver
 (``--machine-rank K``, or an outer launch across machines): machine 0's plans, writes the rows and the report; the
-others follow its plan (:mod:`hfscale.sweep.machines`).
+others follow its plan (:mod:`hfscale.sweep.machines`, :mod:`hfscale.sweep.follow`).
 
 A failed trial is a row, not the end of the sweep: ``oom``, ``crashed`` (exit code or signal), ``timeout`` (the
 whole group is killed), ``not_applied`` (the trial ran something other than its strategy), ``skipped`` (a missing
@@ -23,17 +23,14 @@ appended first, and appended again with its ``batch_search`` when the search end
 ``--resume`` runs only the search.
 
 Loss parity (:mod:`hfscale.results.parity`) is computed here, once per row, as the row is appended: against the
-baseline's
-row when that is already in the run folder (the baseline runs first unless the recipe orders it otherwise). A row
-appended before its baseline carries none; the report computes those from the curves.
+baseline's row when that is already in the run folder (the baseline runs first unless the recipe orders it
+otherwise). A row appended before its baseline carries none; the report computes those from the curves.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
 import sys
 import time
@@ -43,56 +40,26 @@ from pathlib import Path
 from typing import Any
 
 from hfscale.launch.device_lock import DeviceBusyError
-from hfscale.launch.group import LaunchInfo, launch_group, launch_trial
-from hfscale.launch.plan import (
-    NO_BUDGET,
-    PlannedRun,
-    SweepError,
-    SweepSettings,
-    device_not_visible,
-    estimate_runs,
-    memory_budget,
-    plan_runs,
-)
-from hfscale.launch.process import end_orphaned_group, free_port
-from hfscale.recipes.recipe import Recipe, RecipeTrial, load_recipe
+from hfscale.launch.group import GroupRequest, LaunchInfo, launch_group
+from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings, device_not_visible, estimate_runs, plan_runs
+from hfscale.launch.process import free_port
+from hfscale.launch.rows import launch_trial
+from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.records.batch import BatchSearchRecord, ProbeOutcome
 from hfscale.records.row import TrialResult
-from hfscale.results.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
-from hfscale.sweep.batch import (
-    batch_settings,
-    comparison_baseline,
-    fixed_batch_trials,
-    mark_max_batch,
-    max_batch_runs,
-    search_key,
-    search_trial,
-    searched,
-    why_not_searched,
-)
-from hfscale.sweep.channel import Coordinator
-from hfscale.sweep.machines import lead_run, write_received_environments
+from hfscale.results.run_folder import RunFolder, RunFolderWriteError
+from hfscale.sweep.batch import search_key, search_trial, searched, why_not_searched
+from hfscale.sweep.batch_axis import comparison_baseline, mark_max_batch, max_batch_runs
+from hfscale.sweep.follow import follow_sweep
+from hfscale.sweep.machines import Leader
 from hfscale.sweep.outcome import INTERRUPTED_EXIT, STOPPED_EXIT, SweepInterrupted, SweepOutcome, SweepStopped
-from hfscale.sweep.slurm import resume_command
-from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, MeasureSpec, TrialSpec
+from hfscale.sweep.precision import runs_for_precision, sequential_mark
+from hfscale.sweep.session import SweepStart, open_sweep, prepare_folder, resume_hint, run_folder, write_report
+from hfscale.workload.spec import TrialSpec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUT_DIR = "runs"
-
-
-def sequential_mark(row: TrialResult, measure: MeasureSpec) -> TrialResult:
-    """``row`` saying that its trial's run count follows the sequential rule, when its recipe asks for a target
-    precision (the rule stops on the results, and a reader should know)."""
-    if measure.target_precision is None:
-        return row
-    return dataclasses.replace(
-        row,
-        stopping=(
-            f"sequential: more runs until the run-level 95% interval is within ± {measure.target_precision:.1%}, "
-            f"at least {SEQUENTIAL_MIN_RUNS} and at most {measure.most_runs} runs"
-        ),
-    )
 
 
 def _clock(seconds: float) -> str:
@@ -124,11 +91,15 @@ class Sweep:
     """Searched trials by :func:`hfscale.sweep.batch.search_key`: trials that differ only in their batch size
     have the same largest batch, searched once."""
     search_errors: list[str] = field(default_factory=list)
-    coordinator: Coordinator | None = None
-    """Machine 0's end of the drivers' channel (:mod:`hfscale.sweep.machines`) while a sweep on several machines
-    runs."""
-    across: set[int] = field(default_factory=set)
-    """Indices of the runs on several machines published to the other machines' drivers."""
+    leader: Leader | None = None
+    """Machine 0's side of a sweep on several machines (:mod:`hfscale.sweep.machines`) while it runs."""
+
+    @classmethod
+    def of(cls, folder: RunFolder, start: SweepStart, launch: LaunchInfo, progress: Callable[[str], None]) -> Sweep:
+        return cls(
+            folder=folder, recipe=start.recipe, trials=start.trials, settings=start.settings, launch=launch,
+            environment=start.environment, budget_bytes=start.budget_bytes, progress=progress,
+        )  # fmt: skip
 
     @property
     def records(self) -> bool:
@@ -158,13 +129,7 @@ class Sweep:
         Raises:
             KeyboardInterrupt: when interrupted; finished rows are on disk, the running trial's group was ended.
         """
-        if self.folder.results_path.exists():
-            self.stored = {row.key: row for row in self.folder.rows()}
-        by_name = {t.name: t for t in self.trials}
-        for row in self.stored.values():
-            found = row.batch_search
-            if row.trial in by_name and found is not None and found.searched and found.same_as is None:
-                self.searches.setdefault(search_key(by_name[row.trial]), (row.trial, found))
+        self._read_stored()
         runs = self.plan()
         if (warning := device_not_visible(self.recipe, runs)) is not None:
             self.progress(warning)  # before the first trial, not after twenty skipped rows
@@ -177,66 +142,27 @@ class Sweep:
             + f"; run folder {self.folder.path}"
         )
         if self.launch.num_machines > 1:
-            self._lead([r for r in todo if r.key not in self.stored])
+            self.leader = Leader.start(
+                self.folder, [r for r in todo if r.key not in self.stored], recipe=self.recipe.name,
+                settings=self.settings, launch=self.launch, progress=self.progress,
+            )  # fmt: skip
         try:
             self._run_all(runs, todo)
         finally:
-            if self.coordinator is not None:
-                write_received_environments(self.coordinator, self.folder.path)  # machines without a shared disk
-                self.coordinator.close()
-                self.coordinator = None
+            if self.leader is not None:
+                self.leader.close(self.folder.path)
+                self.leader = None
         return list(self.appended.values())
 
-    def _lead(self, todo: list[PlannedRun]) -> None:
-        """Machine 0 of several: serve the drivers' channel and publish the plan the other machines follow (the
-        runs on several machines still to do, in order, each with its trial's spec), so that machine k launches
-        exactly what machine 0 launches, on a resume too. The plan's id goes into ``RUN/machines/sweep-id``, by
-        which a machine that shares the filesystem finds this run folder (and keeps its logs in it)."""
-        import socket
-        import uuid
-
-        from hfscale.sweep.machines import check_port_block, coordination_port
-
-        sweep_id = uuid.uuid4().hex
-        try:
-            self.folder.sweep_id_path.parent.mkdir(exist_ok=True)
-            self.folder.sweep_id_path.write_text(sweep_id + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise RunFolderWriteError(Path(exc.filename) if exc.filename else self.folder.path, exc) from exc
-        port = coordination_port(self.launch.master_port or 29500, outer_launch=self.launch.launched)
-        try:
-            self.coordinator = Coordinator(port)
-        except OSError as exc:
-            raise SweepError(
-                f"machine 0: cannot serve the other machines' drivers on port {port} ({exc}); choose another "
-                "--main-process-port (the same on every machine)"
-            ) from exc
-        spans = [r for r in todo if r.trial.spec.strategy.num_machines > 1 and r.skip_reason is None]
-        self.across = {r.index for r in spans}
-        check_port_block([r.index for r in spans], port)
-        self.coordinator.publish(
-            "plan",
-            {
-                "sweep_id": sweep_id,
-                "host": socket.gethostname(),
-                "run_dir": str(self.folder.path.resolve()),
-                "recipe": self.recipe.name,
-                "settings": self.settings.to_dict(),
-                "runs": [
-                    {
-                        "index": r.index,
-                        "repeat": r.repeat,
-                        "spec": r.trial.spec.to_dict(),
-                        "run": dataclasses.asdict(r.trial.run),
-                    }
-                    for r in spans
-                ],
-            },
-        )
-        self.progress(
-            f"machine 0 of {self.launch.num_machines}: {len(spans)} runs on several machines; the other machines' "
-            f"drivers follow on port {port}"
-        )
+    def _read_stored(self) -> None:
+        """The rows already in the run folder, and the batch searches they hold."""
+        if self.folder.results_path.exists():
+            self.stored = {row.key: row for row in self.folder.rows()}
+        by_name = {t.name: t for t in self.trials}
+        for row in self.stored.values():
+            found = row.batch_search
+            if row.trial in by_name and found is not None and found.searched and found.same_as is None:
+                self.searches.setdefault(search_key(by_name[row.trial]), (row.trial, found))
 
     def _run_all(self, runs: list[PlannedRun], todo: list[PlannedRun]) -> None:
         start = time.monotonic()
@@ -262,7 +188,7 @@ class Sweep:
                 mark=lambda row, extra=extra: mark_max_batch(row, extra, self.stored),
             )
         rounds = 0
-        while more := self._runs_for_precision(runs, len(runs) + rounds):
+        while more := runs_for_precision(runs, self.stored, index=len(runs) + rounds, progress=self.progress):
             rounds += len(more)
             for run in more:
                 self._launch(run, "[precision] ", elapsed=time.monotonic() - start)
@@ -270,42 +196,6 @@ class Sweep:
             f"sweep {self.recipe.name}: {len(todo)} runs in {_clock(time.monotonic() - start)}; "
             f"results in {self.folder.results_path}"
         )
-
-    def _runs_for_precision(self, runs: list[PlannedRun], index: int) -> list[PlannedRun]:
-        """One more run of every trial whose recipe asks for a target precision it has not reached (interleaved
-        rounds, like the planned repeats): fewer than :data:`SEQUENTIAL_MIN_RUNS` ok runs, or a run-level interval
-        (its geometric mean over runs, the sweep's run-to-run noise pooled: the verdicts' own statistics) wider
-        than the target, while runs and time are left. A trial with a failed run, or on several machines (the
-        other machines' drivers could not follow the decision), gets no more."""
-        from hfscale.report.noise import run_rates
-        from hfscale.results.stats import sweep_noise
-
-        by_trial: dict[str, list[TrialResult]] = {}
-        for key, row in self.stored.items():
-            by_trial.setdefault(key[0], []).append(row)
-        evidence = sweep_noise({name: run_rates(rows) for name, rows in by_trial.items()})
-        more = []
-        for first in (r for r in runs if r.repeat == 0 and r.skip_reason is None):
-            measure = first.trial.spec.measure
-            if measure.target_precision is None or first.trial.spec.strategy.num_machines > 1:
-                continue
-            rows = by_trial.get(first.name, [])
-            if len(rows) >= first.repeats or any(r.status != "ok" for r in rows):
-                continue
-            if measure.max_time_s is not None and sum(r.wall_time_s or 0.0 for r in rows) >= measure.max_time_s:
-                continue
-            level = evidence.level(first.name)
-            precision = level.half_width_rel if level is not None else math.inf
-            usable = len(evidence.runs.get(first.name, ()))  # runs with a figure, not rows
-            if usable >= SEQUENTIAL_MIN_RUNS and precision <= measure.target_precision:
-                continue
-            self.progress(
-                f"{first.name}: ± {precision:.1%} after {len(rows)} run(s) (run-level), target "
-                f"± {measure.target_precision:.1%} with at least {SEQUENTIAL_MIN_RUNS} runs: one more run"
-            )
-            repeat = max(key[1] for key in self.stored if key[0] == first.name) + 1  # never an existing key
-            more.append(dataclasses.replace(first, repeat=repeat, index=index + len(more)))
-        return more
 
     def _launch(
         self,
@@ -322,12 +212,10 @@ class Sweep:
             + (f"; skipped: {run.skip_reason}" if run.skip_reason else "")
             + f"  (sweep elapsed {_clock(elapsed)})"
         )
-        if self.coordinator is not None and run.trial.spec.strategy.num_machines > 1:
-            row = lead_run(
-                self.coordinator,
+        if self.leader is not None and run.trial.spec.strategy.num_machines > 1:
+            row = self.leader.lead(
                 run,
                 launch_here=lambda: self._launch_here(run, prefix),
-                published=run.index in self.across,
                 baseline=comparison_baseline(self.recipe),
                 wait_s=self.settings.machine_wait_s,
             )
@@ -384,21 +272,11 @@ class Sweep:
             say(f"batch search: the same as {other}'s (only the batch size differs)")
             record = dataclasses.replace(found, same_as=other, trial_run_batch_size=None)
         else:
-
-            def launch_probe(spec: TrialSpec) -> ProbeOutcome:
-                folder = self.folder.probe_dir(run.name, spec.strategy.per_device_batch_size)
-                trial = dataclasses.replace(run.trial, spec=spec)
-                launched = launch_group(
-                    trial, folder, folder, port=free_port(), launch=self.launch, settings=self.settings,
-                    python=self.python, progress=say, run_dir=self.folder.path,
-                )  # fmt: skip
-                return launched.as_probe()
-
             try:
                 record = search_trial(
                     run.trial.spec,
                     row,
-                    launch_probe,
+                    lambda spec: self._probe(run, spec, say),
                     budget_bytes=self.budget_bytes,
                     upper_limit=self.settings.max_batch_limit,
                     probe_steps=self.settings.probe_steps,
@@ -412,31 +290,37 @@ class Sweep:
             self.searches[key] = (run.name, record)
         self._append(dataclasses.replace(row, batch_search=record))
 
+    def _probe(self, run: PlannedRun, spec: TrialSpec, say: Callable[[str], None]) -> ProbeOutcome:
+        """One probe of ``run``'s batch search: the trial at the probe's batch, as its own process group."""
+        folder = self.folder.probe_dir(run.name, spec.strategy.per_device_batch_size)
+        request = GroupRequest(
+            trial=dataclasses.replace(run.trial, spec=spec), configs_dir=folder, files_dir=folder, port=free_port(),
+            launch=self.launch, settings=self.settings, python=self.python, run_dir=self.folder.path,
+        )  # fmt: skip
+        return launch_group(request, progress=say).as_probe()
 
-def _write_report(
-    run_dir: Path,
-    progress: Callable[[str], None],
-    *,
-    memory_budget_bytes: int | None = None,
-    price_per_hour: float | None = None,
-) -> tuple[list[Path], str | None]:
-    """The paths written and None, or no paths and why the report failed."""
-    try:
-        from hfscale.report import write_report
-    except ImportError as exc:
-        logger.warning("no report written (%s); run `hfscale report %s` later", exc, run_dir)
-        return [], f"ImportError: {exc}"
-    try:
-        written = write_report(run_dir, memory_budget_bytes=memory_budget_bytes, price_per_hour=price_per_hour)
-    except Exception as exc:  # a report bug must not cost the measurements, which are already on disk
-        logger.warning("writing the report failed: %s: %s; run `hfscale report %s`", type(exc).__name__, exc, run_dir)
-        if isinstance(exc, OSError) and not exc.filename:  # a full disk's write() names no file
-            return [], f"{type(exc).__name__} writing into {run_dir}: {exc}"
-        return [], f"{type(exc).__name__}: {exc}"
-    paths = [written.markdown, written.html, written.csv, *written.figures]
-    if paths:
-        progress(f"report: {', '.join(str(p) for p in paths)}")
-    return paths, None
+    def outcome(self, rows: list[TrialResult], *, report: bool, resume: str) -> SweepOutcome:
+        """What this sweep did, with the report written at its end (``report``, machine 0's only)."""
+        report_paths: list[Path] = []
+        report_error = None
+        if report and self.records and self.folder.results_path.exists():
+            report_paths, report_error = write_report(
+                self.folder.path,
+                self.progress,
+                memory_budget_bytes=self.settings.memory_budget_bytes,
+                price_per_hour=self.settings.price_per_hour,
+            )
+        have = {trial for trial, _ in self.stored}
+        return SweepOutcome(
+            run_dir=self.folder.path,
+            rows=rows,
+            report_paths=report_paths,
+            report_error=report_error,
+            search_errors=self.search_errors,
+            recipe_trials=tuple(self.recipe.trial_names),
+            trials_with_rows=tuple(name for name in self.recipe.trial_names if name in have),
+            resume=resume,
+        )
 
 
 def run_sweep(
@@ -448,7 +332,6 @@ def run_sweep(
     settings: SweepSettings | None = None,
     launch: LaunchInfo | None = None,
     report: bool = True,
-    python: str = sys.executable,
     progress: Callable[[str], None] = logger.info,
 ) -> SweepOutcome:
     """Run a recipe's trials into a run folder (new, or ``resume``'s), one fresh process group per trial.
@@ -464,7 +347,6 @@ def run_sweep(
         settings: process counts, limits and ``only`` (default: the outer launch's counts).
         launch: where this process sits in an outer launch (default: read from the environment).
         report: write ``report.md``/``report.html`` at the end.
-        python: the interpreter that runs ``accelerate launch``.
         progress: receives one line per event (trial start, heartbeat, result).
 
     Raises:
@@ -475,129 +357,25 @@ def run_sweep(
         SweepStopped: when the run folder cannot be written (disk full, read-only) or a device stayed held by
             another sweep; finished rows are on disk.
     """
-    from hfscale.recipes.catalog import resolve_recipe
-    from hfscale.results.environment import collect_environment
-
     launch = launch or LaunchInfo.from_env()
     if launch.machine_rank > 0:
-        from hfscale.sweep.machines import follow_sweep
-
         # Another machine's driver follows machine 0's plan: it needs no run folder of its own to plan from.
         return follow_sweep(
-            launch, out_dir=out_dir, run_dir=run_dir, resume=resume, settings=settings, python=python, progress=progress
+            launch, out_dir=out_dir, run_dir=run_dir, resume=resume, settings=settings, progress=progress
         )
-    if resume is not None:
-        folder = RunFolder(Path(resume))
-        if not folder.recipe_path.exists():
-            raise SweepError(f"--resume {folder.path}: no {RECIPE_FILE} there; is it a run folder?")
-        if recipe_path is not None and resolve_recipe(recipe_path).read_bytes() != folder.recipe_path.read_bytes():
-            raise SweepError(
-                f"{recipe_path} differs from {folder.recipe_path}; resume with the run folder's recipe (omit RECIPE)"
-            )
-        recipe = load_recipe(folder.recipe_path)
-        try:
-            recorded = json.loads(folder.environment_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise SweepError(f"--resume {folder.path}: cannot read {folder.environment_path.name} ({exc})") from None
-        settings = SweepSettings.from_dict(recorded.get("sweep", {})).for_resume(settings or SweepSettings())
-    else:
-        if recipe_path is None:
-            raise SweepError("give a RECIPE (or --resume RUN_DIR)")
-        recipe = load_recipe(recipe_path)
-        settings = settings or launch.default_counts(SweepSettings())
-    settings = batch_settings(recipe.sweep, settings)
-    trials = recipe.resolve(num_processes=settings.num_processes, num_machines=settings.num_machines)
-    trials = fixed_batch_trials(trials)
     # Read before the run folder exists, so that a sweep that cannot start leaves nothing behind.
-    sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
-    current = collect_environment(python=python, extra=sweep_info)
-    budget = memory_budget(settings, current)
-    if settings.skip_predicted_oom and budget is None:
-        raise SweepError(NO_BUDGET)
-
-    if resume is None:
-        if run_dir is not None:
-            folder = RunFolder.create_at(Path(run_dir))
-        else:
-            folder = RunFolder.create(out_dir=out_dir, name=recipe.name)
-    sweep = Sweep(
-        folder=folder,
-        recipe=recipe,
-        trials=trials,
-        settings=settings,
-        launch=launch,
-        environment=current,
-        budget_bytes=budget,
-        python=python,
-        progress=progress,
-    )
+    start = open_sweep(recipe_path, resume=resume, settings=settings, launch=launch)
+    folder = run_folder(start, out_dir=out_dir, run_dir=run_dir)
+    sweep = Sweep.of(folder, start, launch, progress)
     try:
         with folder.locked():
-            folder.check_writable()  # a read-only or full disk is found before the first trial, not after it
-            if resume is None:
-                if recipe.path:
-                    folder.copy_recipe(recipe.path)
-                folder.write_environment(current)
-            else:
-                # A trial of a sweep killed with SIGKILL (its watchdog normally ends it within a second) must not
-                # run next to the trials resumed here.
-                for pid_file in folder.pid_files():
-                    if (pgid := end_orphaned_group(pid_file)) is not None:
-                        progress(
-                            f"{pid_file.parent.relative_to(folder.path)}: still running from an earlier sweep of "
-                            f"this folder (process group {pgid}); stopped it"
-                        )
-                folder.record_resume(current)
-                for bad in folder.set_aside_bad_lines():
-                    progress(
-                        f"{folder.results_path}:{bad.number}: not a valid row ({bad.error}); moved to "
-                        f"{folder.corrupt_path.name}, its trial runs again"
-                    )
-            if launch.num_machines > 1:  # every machine's driver records its own (the others: hfscale.sweep.machines)
-                from hfscale.results.environment import write_machine_environment
-
-                try:
-                    write_machine_environment(folder.path, 0, record=current)
-                except OSError as exc:
-                    raise RunFolderWriteError(folder.path, exc) from exc
+            prepare_folder(folder, start, launch, progress)
             rows = sweep.run()
     except KeyboardInterrupt as exc:
-        raise SweepInterrupted(folder.path, resume=_resume_hint(folder.path, settings, launch, current)) from exc
+        raise SweepInterrupted(folder.path, resume=resume_hint(folder.path, start, launch)) from exc
     except (RunFolderWriteError, DeviceBusyError) as exc:
-        raise SweepStopped(folder.path, exc, resume=_resume_hint(folder.path, settings, launch, current)) from exc
-    report_paths: list[Path] = []
-    report_error = None
-    if report and sweep.records and folder.results_path.exists():
-        report_paths, report_error = _write_report(
-            folder.path,
-            progress,
-            memory_budget_bytes=settings.memory_budget_bytes,
-            price_per_hour=settings.price_per_hour,
-        )
-    have = {trial for trial, _ in sweep.stored}
-    return SweepOutcome(
-        run_dir=folder.path,
-        rows=rows,
-        report_paths=report_paths,
-        report_error=report_error,
-        search_errors=sweep.search_errors,
-        recipe_trials=tuple(recipe.trial_names),
-        trials_with_rows=tuple(name for name in recipe.trial_names if name in have),
-        resume=_resume_hint(folder.path, settings, launch, current),
-    )
-
-
-def _resume_hint(run_dir: Path, settings: SweepSettings, launch: LaunchInfo, environment: dict[str, Any]) -> str:
-    """The command that continues this run (:func:`hfscale.sweep.slurm.resume_command`): on several machines, every
-    machine's driver (under Slurm, a new job), never machine 0's alone."""
-    return resume_command(
-        run_dir,
-        num_machines=launch.num_machines,
-        num_processes=settings.num_processes,
-        gpus_per_node=int(environment.get("gpu_count") or 0),
-        main_addr=launch.master_addr,
-        port=launch.master_port,
-    )
+        raise SweepStopped(folder.path, exc, resume=resume_hint(folder.path, start, launch)) from exc
+    return sweep.outcome(rows, report=report, resume=resume_hint(folder.path, start, launch))
 
 
 __all__ = [

@@ -14,12 +14,10 @@ inside the run (README, "Activation offloading and DeepSpeed activation checkpoi
 * :func:`use_deepspeed_checkpointing`: the DeepSpeed JSON's ``activation_checkpointing`` section
   (``partition_activations``, ``cpu_checkpointing``, ...) configures ``deepspeed.checkpointing``, which a Hugging
   Face model never calls: transformers checkpoints its layers with ``torch.utils.checkpoint``, so the section alone
-  changes nothing. This installs ``deepspeed.checkpointing.checkpoint``, configured from that section by
-  DeepSpeed's own parser, as the model's checkpoint function (``PreTrainedModel._set_gradient_checkpointing``, the
-  hook ``activation_checkpointing_enable`` itself uses), at train begin: the Trainer enables its own function inside
-  ``train()``, and a function set before would be replaced.
+  changes nothing. This installs ``deepspeed.checkpointing.checkpoint`` as the model's checkpoint function
+  (:mod:`hfscale.techniques.deepspeed_checkpointing`, re-exported here).
 
-:func:`collect` and :func:`check` are what ``hfscale.measure.verify`` calls for both.
+:data:`TECHNIQUE` applies both in a trial, reads them back (:func:`collect`) and checks them (:func:`check`).
 """
 
 from __future__ import annotations
@@ -28,6 +26,16 @@ import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from hfscale.techniques.base import ScriptLine, Technique, TrainedRun
+from hfscale.techniques.deepspeed_checkpointing import (
+    DS_OPTIONS,
+    deepspeed_checkpoint_calls,
+    deepspeed_checkpoint_function,
+    deepspeed_options_in_use,
+    install_deepspeed_checkpointing,
+    use_deepspeed_checkpointing,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +53,6 @@ costs a launch and frees nothing."""
 _TRAINER_ATTRIBUTE = "_hfscale_activation_offload"
 """Where :func:`offload_activations` keeps its :class:`ActivationOffload` on the Trainer, for :func:`collect`."""
 
-DS_OPTIONS: tuple[str, ...] = ("partition_activations", "cpu_checkpointing")
-"""The DeepSpeed activation-checkpointing options a strategy states (``DeepSpeedSpec``), in DeepSpeed's names."""
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Activation offloading
@@ -61,7 +66,7 @@ class OffloadCounts:
     A storage is copied once however many times it is saved: autograd saves the same tensor for several
     operations, and views of one tensor (a transpose, a reshape) share its storage. Copying each save moved 1.4x
     the unique bytes on a tiny Llama (73 copies of 53 storages, 3.09 MiB against 2.18 MiB, in
-    ``tests/test_activation_offload.py``), overstating the technique's cost.
+    ``tests/techniques/test_activation_offload.py``), overstating the technique's cost.
     """
 
     tensors: int = 0
@@ -280,166 +285,6 @@ def offload_activations(trainer: Trainer, *, min_bytes: int = MIN_OFFLOAD_BYTES)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# DeepSpeed activation checkpointing
-# --------------------------------------------------------------------------------------------------------------
-
-
-def deepspeed_checkpoint_function(ds_config: dict[str, Any]) -> Any:
-    """``deepspeed.checkpointing.checkpoint``, configured from ``ds_config``'s ``activation_checkpointing`` section.
-
-    The section is read by DeepSpeed's own parser (``DeepSpeedActivationCheckpointingConfig``); DeepSpeed keeps the
-    settings process-wide. Needs a started process group (DeepSpeed reads the rank).
-
-    Raises:
-        ImportError: without deepspeed (``pip install 'hfscale[deepspeed]'``).
-    """
-    try:
-        import deepspeed
-        from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
-    except ImportError as exc:  # pragma: no cover - the deepspeed extra is installed in CI
-        raise ImportError(
-            "DeepSpeed activation checkpointing needs deepspeed: pip install 'hfscale[deepspeed]'"
-        ) from exc
-    section = DeepSpeedActivationCheckpointingConfig(ds_config)
-    if section.cpu_checkpointing and not section.partition_activations and _on_cpu():
-        raise ValueError(
-            "deepspeed activation_checkpointing.cpu_checkpointing without partition_activations fails on a CPU "
-            "device (deepspeed 0.19.8 'copies' the checkpoint input to the CPU, a no-op there, then empties the "
-            "input it meant to keep): add partition_activations, which on one model-parallel rank keeps the whole "
-            "input, copied into CPU memory"
-        )
-    deepspeed.checkpointing.configure(
-        None,
-        partition_activations=section.partition_activations,
-        contiguous_checkpointing=section.contiguous_memory_optimization,
-        num_checkpoints=section.number_checkpoints,
-        checkpoint_in_cpu=section.cpu_checkpointing,
-        synchronize=section.synchronize_checkpoint_boundary,
-        profile=section.profile,
-    )
-    return _tensor_arguments_only(deepspeed.checkpointing.checkpoint)
-
-
-def _on_cpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
-
-
-def _tensor_arguments_only(ds_checkpoint: Any) -> Any:
-    """``ds_checkpoint`` called with the tensor positional arguments only, the others bound into the function.
-
-    Hugging Face layers pass ``None`` positionally (BERT's ``encoder_hidden_states``), and DeepSpeed's
-    ``partition_activations`` path miscounts non-tensor arguments when it rebuilds them for the backward pass
-    ("forward() got multiple values for argument", deepspeed 0.19.8). Only the non-tensor values are kept here,
-    never the tensors, so DeepSpeed alone decides where the checkpointed inputs live.
-
-    The returned function counts its calls (``calls``): verification reports DeepSpeed's options only once a
-    checkpointed layer really went through it.
-    """
-
-    @functools.wraps(ds_checkpoint)
-    def checkpoint(function: Any, *args: Any) -> Any:
-        import torch
-
-        checkpoint.calls += 1  # type: ignore[attr-defined]
-        positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
-        if len(positions) == len(args):
-            return ds_checkpoint(function, *args)
-        template = [None if torch.is_tensor(a) else a for a in args]
-
-        def run(*tensors: Any) -> Any:
-            full = list(template)
-            for i, tensor in zip(positions, tensors, strict=True):
-                full[i] = tensor
-            return function(*full)
-
-        return ds_checkpoint(run, *(args[i] for i in positions))
-
-    checkpoint.calls = 0  # type: ignore[attr-defined]
-    return checkpoint
-
-
-def install_deepspeed_checkpointing(model: Any, ds_config: dict[str, Any]) -> None:
-    """Make ``model``'s checkpointed layers call DeepSpeed's checkpoint function (configured from ``ds_config``).
-
-    Raises:
-        ValueError: when the model has no checkpointing enabled (the Trainer's ``gradient_checkpointing``).
-    """
-    if not getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
-        raise ValueError(
-            "DeepSpeed activation checkpointing replaces the function of checkpointed layers, and this model "
-            "checkpoints none: set TrainingArguments(gradient_checkpointing=True)"
-        )
-    function = deepspeed_checkpoint_function(ds_config)
-    # The hook activation_checkpointing_enable uses; it keeps which layers are checkpointed (every_n_layers).
-    for module in model.modules():
-        if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = function
-    logger.info("checkpointed layers run deepspeed.checkpointing.checkpoint (%s)", deepspeed_options_in_use())
-
-
-def use_deepspeed_checkpointing(trainer: Trainer) -> None:
-    """Make ``trainer``'s model checkpoint with ``deepspeed.checkpointing``, configured from the DeepSpeed JSON.
-
-    Adds a callback that installs the function at train begin (after the Trainer enabled its own). Needs
-    ``TrainingArguments(deepspeed=..., gradient_checkpointing=True)``.
-
-    Raises:
-        ValueError: when the Trainer's arguments name no DeepSpeed config.
-    """
-    if getattr(trainer.args, "hf_deepspeed_config", None) is None:
-        raise ValueError(
-            "use_deepspeed_checkpointing: TrainingArguments has no DeepSpeed config (deepspeed=...); the "
-            "activation_checkpointing section is read from it"
-        )
-    trainer.add_callback(_deepspeed_checkpointing_callback())
-
-
-def _deepspeed_checkpointing_callback() -> Any:
-    from transformers import TrainerCallback
-
-    class DeepSpeedCheckpointingCallback(TrainerCallback):
-        """Installs DeepSpeed's checkpoint function at train begin (:func:`use_deepspeed_checkpointing`)."""
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            install_deepspeed_checkpointing(model, args.hf_deepspeed_config.config)
-
-    return DeepSpeedCheckpointingCallback()
-
-
-def deepspeed_options_in_use() -> list[str]:
-    """The :data:`DS_OPTIONS` that ``deepspeed.checkpointing`` has turned on in this process."""
-    from deepspeed.runtime.activation_checkpointing import checkpointing
-
-    flags = {
-        "partition_activations": checkpointing.PARTITION_ACTIVATIONS,
-        "cpu_checkpointing": checkpointing.CPU_CHECKPOINT,
-    }
-    return [name for name in DS_OPTIONS if flags[name]]
-
-
-def _deepspeed_checkpoint_calls(model: Any) -> int | None:
-    """How many times the model's checkpointed layers called DeepSpeed's function (through the counting wrapper
-    of :func:`_tensor_arguments_only`); None when no layer is checkpointed or one does not call DeepSpeed's."""
-    functions = [
-        m._gradient_checkpointing_func
-        for m in model.modules()
-        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")
-    ]
-    if not functions:
-        return None
-    try:
-        from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as ds_checkpoint
-    except ImportError:
-        return None
-    unwrapped = {id(f): f for f in (f.func if isinstance(f, functools.partial) else f for f in functions)}
-    if not all(getattr(f, "__wrapped__", f) is ds_checkpoint for f in unwrapped.values()):
-        return None
-    return sum(int(getattr(f, "calls", 0)) for f in unwrapped.values())
-
-
-# --------------------------------------------------------------------------------------------------------------
 # The run: applied, collected, checked
 # --------------------------------------------------------------------------------------------------------------
 
@@ -452,7 +297,7 @@ def apply(trainer: Trainer, strategy: Strategy) -> None:
         use_deepspeed_checkpointing(trainer)
 
 
-def script_lines(strategy: Strategy) -> list[tuple[str, str]]:
+def script_lines(strategy: Strategy) -> list[ScriptLine]:
     """``(why, line)`` for a user's own script (``hfscale config``): no generated file turns these on."""
     lines = []
     if strategy.activation_offload:
@@ -486,7 +331,7 @@ def collect(trainer: Trainer) -> dict[str, Any]:
         counts = offload.first or offload.last
         tensors = counts.tensors
     ds_options = None
-    if _deepspeed_checkpoint_calls(trainer.model):  # installed and called: not only configured
+    if deepspeed_checkpoint_calls(trainer.model):  # installed and called: not only configured
         ds_options = deepspeed_options_in_use()
     return {"activation_offload_tensors": tensors, "ds_activation_checkpointing": ds_options}
 
@@ -524,9 +369,33 @@ def check(strategy: Strategy, record: VerificationRecord) -> list[str]:
     return problems
 
 
+class ActivationMemory(Technique):
+    """Where activations live between forward and backward (``strategy.activation_offload``,
+    ``strategy.ds_activation_checkpointing``): hooks added to the built Trainer, read back from inside the run."""
+
+    name = "activation_offload"
+
+    def apply(self, trainer: Trainer, strategy: Strategy) -> None:
+        apply(trainer, strategy)
+
+    def collect(self, run: TrainedRun) -> dict[str, Any]:
+        return collect(run.trainer)
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return check(strategy, record)
+
+    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
+        return script_lines(strategy)
+
+
+TECHNIQUE = ActivationMemory()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
 __all__ = [
     "DS_OPTIONS",
     "MIN_OFFLOAD_BYTES",
+    "TECHNIQUE",
+    "ActivationMemory",
     "ActivationOffload",
     "OffloadCounts",
     "apply",

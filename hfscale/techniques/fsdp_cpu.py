@@ -17,9 +17,9 @@ default mesh) works on CPU. So the adjustment is narrow: after ``AcceleratorStat
 needs an accelerator device (``hfscale.strategy`` refuses it on CPU).
 
 Hybrid sharding (HSDP) needs nothing more: its 2-D mesh comes from accelerate's ``parallelism_config``
-(``dp_replicate`` machines x ``dp_shard`` processes each, :func:`hfscale.configs.fsdp.parallelism_config`), which
+(``dp_replicate`` machines x ``dp_shard`` processes each, :func:`hfscale.configs.fsdp.parallelism_section`), which
 accelerate builds with ``init_device_mesh`` on the state's device type, ``cpu`` here, and hands to ``fully_shard``.
-Measured with 2 machines x 2 processes on one host (``tests/test_multi_machine.py``): FSDP's own mesh is
+Measured with 2 machines x 2 processes on one host (``tests/techniques/test_multi_machine.py``): FSDP's own mesh is
 ``dp_replicate 2 x dp_shard 2``, the shard groups are ranks ``[0, 1]`` and ``[2, 3]`` (one per machine), and each
 rank holds half the parameters.
 
@@ -29,17 +29,17 @@ class and the parameters held per rank from inside the run, and a trial whose re
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from hfscale.techniques.base import ScriptLine, Technique, patch_once
 
 if TYPE_CHECKING:
     from hfscale.strategy import Strategy
 
 logger = logging.getLogger(__name__)
-
-_PATCH_MARKER = "_hfscale_fsdp2_on_cpu"
 
 SCRIPT_LINE = "import hfscale.techniques.fsdp_cpu; hfscale.techniques.fsdp_cpu.enable_fsdp2_on_cpu()"
 """The line a user's own training script needs, before ``TrainingArguments``, to run an FSDP strategy on CPU
@@ -60,19 +60,19 @@ def enable_fsdp2_on_cpu() -> None:
     """
     from accelerate.state import AcceleratorState
 
-    original = AcceleratorState.__init__
-    if getattr(original, _PATCH_MARKER, False):
-        return
+    patch_once(AcceleratorState, "__init__", _switching_init)
+
+
+def _switching_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``AcceleratorState.__init__`` followed by :func:`_switch_multi_cpu_to_fsdp2` with the plugin it was given."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         fsdp_plugin = signature.bind_partial(self, *args, **kwargs).arguments.get("fsdp_plugin")
         _switch_multi_cpu_to_fsdp2(self, fsdp_plugin)
 
-    setattr(__init__, _PATCH_MARKER, True)
-    AcceleratorState.__init__ = __init__
+    return __init__
 
 
 def _switch_multi_cpu_to_fsdp2(state: Any, fsdp_plugin: Any) -> None:
@@ -96,4 +96,34 @@ def _switch_multi_cpu_to_fsdp2(state: Any, fsdp_plugin: Any) -> None:
     logger.info("accelerate state switched from MULTI_CPU to FSDP (FSDP2 on a CPU device mesh)")
 
 
-__all__ = ["SCRIPT_LINE", "enable_fsdp2_on_cpu", "needed"]
+def script_lines(strategy: Strategy) -> list[ScriptLine]:
+    """``(why, line)`` for a user's own script: :data:`SCRIPT_LINE` when :func:`needed`, else nothing."""
+    if not needed(strategy):
+        return []
+    return [
+        (
+            "your script needs this line before TrainingArguments (without it accelerate runs DDP, not FSDP, on CPU)",
+            SCRIPT_LINE,
+        )
+    ]
+
+
+class FsdpCpu(Technique):
+    """FSDP2 on CPU processes: accelerate's state patched before ``TrainingArguments``; what ran is read by the
+    verification's own fields (distributed type, wrapper, parameters held per rank), so nothing of its own."""
+
+    name = "fsdp_cpu"
+
+    def prepare_arguments(self, strategy: Strategy) -> dict[str, Any]:
+        if needed(strategy):
+            enable_fsdp2_on_cpu()
+        return {}
+
+    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
+        return script_lines(strategy)
+
+
+TECHNIQUE = FsdpCpu()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
+__all__ = ["SCRIPT_LINE", "TECHNIQUE", "FsdpCpu", "enable_fsdp2_on_cpu", "needed", "script_lines"]

@@ -43,6 +43,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hfscale.strategy import Strategy, StrategyError
+from hfscale.techniques.base import ScriptLine, Technique, TrainedRun
 
 if TYPE_CHECKING:
     import torch
@@ -367,15 +368,51 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     return problems
 
 
+def script_lines(strategy: Strategy) -> list[ScriptLine]:
+    """``(why, line)`` for a user's own script: the attention kernel is chosen when the model is built. (Compile,
+    TF32 and Liger are ``TrainingArguments`` keywords: the generated ``training_args.json`` holds them.)"""
+    if strategy.attn_implementation is None:
+        return []
+    return [
+        (
+            "the attention kernel is the model's, not TrainingArguments': build the model with it (from_config "
+            "or from_pretrained alike; it raises where the kernel is not available)",
+            f"model = AutoModelForXxx.from_pretrained(name, attn_implementation={strategy.attn_implementation!r})",
+        )
+    ]
+
+
+class Kernels(Technique):
+    """Compilation, the attention implementation, TF32 and Liger: applied through the model's config and
+    ``TrainingArguments`` (nothing for the trial to do), read back and checked from inside the run."""
+
+    name = "kernels"
+
+    def collect(self, run: TrainedRun) -> dict[str, Any]:
+        return collect(run.trainer, run.model, run.attention_probe)
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return check(strategy, record)
+
+    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
+        return script_lines(strategy)
+
+
+TECHNIQUE = Kernels()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
 __all__ = [
     "LIGER_MODEL_TYPES",
+    "TECHNIQUE",
     "AttentionProbe",
+    "Kernels",
     "check",
     "check_liger_model_type",
     "collect",
     "compile_facts",
     "liger_model_types",
     "liger_patched_modules",
+    "script_lines",
     "tf32_matmul_enabled",
     "uncompiled",
 ]

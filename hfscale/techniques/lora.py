@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfscale.core.params import param_numel
 from hfscale.strategy import LoraSpec, Strategy
+from hfscale.techniques.base import ScriptLine, Technique, TrainedRun
 
 if TYPE_CHECKING:
     import torch
@@ -179,11 +181,6 @@ def apply_lora(model: Any, spec: TrialSpec, *, scratch_dir: str | os.PathLike[st
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _numel(param: torch.Tensor) -> int:
-    # ZeRO-3 keeps the full size in ds_numel; a DTensor's numel() is already the global size.
-    return int(getattr(param, "ds_numel", 0) or param.numel())
-
-
 def _is_adapter_param(name: str) -> bool:
     """A parameter peft added and trains: a LoRA matrix (``lora_A``/``lora_B``/``lora_embedding_*``/
     ``lora_magnitude_vector``) or a trainable copy of a ``modules_to_save`` head."""
@@ -202,9 +199,9 @@ def collect(model: torch.nn.Module) -> dict[str, Any]:
     trainable = adapter = 0
     for name, param in model.named_parameters():
         if param.requires_grad:
-            trainable += _numel(param)
+            trainable += param_numel(param)
             if _is_adapter_param(name):
-                adapter += _numel(param)
+                adapter += param_numel(param)
     lora_names: list[str] = []
     layer_cls = getattr(sys.modules.get("peft.tuners.lora.layer"), "LoraLayer", None)
     bnb_nn = sys.modules.get("bitsandbytes.nn")
@@ -273,16 +270,11 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Memory estimate
-# ---------------------------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # A user's own script
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def script_lines(strategy: Strategy) -> list[tuple[str, str]]:
+def script_lines(strategy: Strategy) -> list[ScriptLine]:
     """``(why, line)`` for the lines a user's script needs to train ``strategy.lora`` (what ``hfscale config``
     prints): the 4-bit load under QLoRA, then ``get_peft_model`` with the ``LoraConfig`` keywords."""
     lora = strategy.lora
@@ -317,9 +309,33 @@ def script_lines(strategy: Strategy) -> list[tuple[str, str]]:
     return lines
 
 
+class Lora(Technique):
+    """LoRA and QLoRA (``strategy.lora``): adapters on a frozen (4-bit) base before any wrapping, read back as the
+    parameters that train and the layers that hold adapters or 4-bit weights."""
+
+    name = "lora"
+
+    def adapt_model(self, model: Any, spec: TrialSpec, scratch_dir: str | os.PathLike[str]) -> Any:
+        return apply_lora(model, spec, scratch_dir=scratch_dir)
+
+    def collect(self, run: TrainedRun) -> dict[str, Any]:
+        return collect(run.model)
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return check(strategy, record)
+
+    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
+        return script_lines(strategy)
+
+
+TECHNIQUE = Lora()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
 __all__ = [
     "NF4_BLOCK_SIZE",
     "TASK_TYPES",
+    "TECHNIQUE",
+    "Lora",
     "apply_lora",
     "bnb_config_kwargs",
     "check",

@@ -8,8 +8,8 @@ sp``); the strategy already refuses sizes that do not multiply to the process co
 * **Where the mesh is given.** ``accelerate launch`` passes a YAML ``parallelism_config`` section to the processes
   only with FSDP2 (``_validate_launch_command`` refuses ``use_parallelism_config`` otherwise), so the YAML carries it
   for FSDP2 strategies (:func:`accelerate_section`); every trial also hands the same mesh to the Trainer as
-  ``TrainingArguments(parallelism_config=...)`` (:func:`parallelism_config`), the one way that works for all of
-  them (a ``ParallelismConfig`` object cannot live in ``training_args.json``).
+  ``TrainingArguments(parallelism_config=...)`` (:func:`accelerate_parallelism_config`), the one way that works for
+  all of them (a ``ParallelismConfig`` object cannot live in ``training_args.json``).
 * **Tensor parallelism needs the model sharded when it is loaded.** transformers splits the weights in
   ``from_pretrained(..., tp_plan="auto")`` following the config's ``base_model_tp_plan``; ``from_config`` takes
   no plan. :func:`load_tensor_parallel` saves the random model into the trial's scratch folder and loads it back
@@ -29,10 +29,12 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfscale.configs.accelerate import accelerate_section
+from hfscale.techniques.base import ScriptLine, Technique, TrainedRun, patch_once
 
 if TYPE_CHECKING:
     from accelerate import ParallelismConfig
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
     from hfscale.records.measurements import VerificationRecord
     from hfscale.strategy import Strategy
+    from hfscale.workload.spec import TrialSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,6 @@ MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 SCRIPT_LINE = "import hfscale.techniques.mesh; hfscale.techniques.mesh.enable_mesh_on_cpu()"
 """The line a user's own script needs, before the Trainer, to run a device mesh on CPU processes."""
-
-_PATCH_MARKER = "_hfscale_mesh_on_cpu"
 
 # Model types a user is likely to know, named first when a model without a tensor-parallel plan is refused.
 _WELL_KNOWN = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "granite", "olmo2")
@@ -65,7 +66,7 @@ def tensor_parallel(strategy: Strategy) -> bool:
     return strategy.parallelism is not None and strategy.parallelism.tp > 1
 
 
-def parallelism_config(strategy: Strategy) -> ParallelismConfig | None:
+def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | None:
     """accelerate's ``ParallelismConfig`` for ``strategy.parallelism`` (``TrainingArguments.parallelism_config``),
     or None without one. DeepSpeed's sequence parallel is ``sp_backend="deepspeed"`` (accelerate's only one).
 
@@ -184,21 +185,7 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
     return loaded
 
 
-def prepare_trial(
-    model: PreTrainedModel, strategy: Strategy, scratch_dir: str | os.PathLike[str]
-) -> tuple[Any, dict[str, Any]]:
-    """What a trial does for ``strategy.parallelism``: the model (loaded sharded under tensor parallelism, see
-    :func:`load_tensor_parallel`) and the extra ``TrainingArguments`` keywords (``parallelism_config``; kept apart
-    from the JSON-able keywords the result records). On CPU it first applies :func:`enable_mesh_on_cpu`. Without a
-    mesh: ``(model, {})``."""
-    if strategy.parallelism is None:
-        return model, {}
-    if needed_on_cpu(strategy):
-        enable_mesh_on_cpu()
-    return load_tensor_parallel(model, strategy, scratch_dir), {"parallelism_config": parallelism_config(strategy)}
-
-
-def script_lines(strategy: Strategy) -> list[tuple[str, str]]:
+def script_lines(strategy: Strategy) -> list[ScriptLine]:
     """``(why, line)`` for what a user's own script needs for ``strategy.parallelism`` beside the generated files
     (``hfscale config`` prints them): the adjustment on CPU, the model loaded along its plan, and the mesh for the
     Trainer. Empty without a mesh."""
@@ -264,20 +251,20 @@ def enable_mesh_on_cpu() -> None:
     nothing for other distributed types. Whether the mesh then took effect is read by :func:`collect`.
     """
     from accelerate.parallelism_config import ParallelismConfig
+
+    patch_once(ParallelismConfig, "_validate_accelerator", _multi_cpu_as_multi_device)
+
+
+def _multi_cpu_as_multi_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``ParallelismConfig._validate_accelerator`` shown a multi-process ``MULTI_CPU`` accelerator as multi-device."""
     from accelerate.utils import DistributedType
 
-    original = ParallelismConfig._validate_accelerator
-    if getattr(original, _PATCH_MARKER, False):
-        return
-
-    @functools.wraps(original)
     def _validate_accelerator(self: Any, accelerator: Any) -> Any:
         if accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.use_distributed:
             return original(self, _MultiDeviceView(accelerator))
         return original(self, accelerator)
 
-    setattr(_validate_accelerator, _PATCH_MARKER, True)
-    ParallelismConfig._validate_accelerator = _validate_accelerator  # type: ignore[method-assign]
+    return _validate_accelerator
 
 
 def shared_batch() -> tuple[int, int]:
@@ -423,9 +410,43 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     return problems
 
 
+class Mesh(Technique):
+    """A device mesh (``strategy.parallelism``): the model loaded sharded under tensor parallelism, the mesh handed
+    to ``TrainingArguments``, and the mesh and placements read back."""
+
+    name = "mesh"
+
+    def load_model(self, model: Any, spec: TrialSpec, scratch_dir: str | os.PathLike[str]) -> Any:
+        # Process-wide and idempotent; made before loading, as a user's script makes it (script_lines).
+        if needed_on_cpu(spec.strategy):
+            enable_mesh_on_cpu()
+        return load_tensor_parallel(model, spec.strategy, scratch_dir)
+
+    def prepare_arguments(self, strategy: Strategy) -> dict[str, Any]:
+        # An object, kept apart from the JSON-able keywords the result records.
+        if strategy.parallelism is None:
+            return {}
+        return {"parallelism_config": accelerate_parallelism_config(strategy)}
+
+    def collect(self, run: TrainedRun) -> dict[str, Any]:
+        return collect(run.trainer)
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return check(strategy, record)
+
+    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
+        return script_lines(strategy)
+
+
+TECHNIQUE = Mesh()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
 __all__ = [
     "MESH_DIMS",
     "SCRIPT_LINE",
+    "TECHNIQUE",
+    "Mesh",
+    "accelerate_parallelism_config",
     "accelerate_section",
     "check",
     "collect",
@@ -433,9 +454,7 @@ __all__ = [
     "load_tensor_parallel",
     "model_types_with_tp_plan",
     "needed_on_cpu",
-    "parallelism_config",
     "placements_by_dim",
-    "prepare_trial",
     "save_for_reload",
     "script_lines",
     "shared_batch",

@@ -32,6 +32,9 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from hfscale.core.collective import all_gather_object
+from hfscale.techniques.base import Technique, TrainedRun
+
 if TYPE_CHECKING:
     import torch
 
@@ -91,16 +94,6 @@ def fsdp_mesh_facts(model: torch.nn.Module) -> tuple[dict[str, int] | None, list
     return None, None
 
 
-def _all_gather(obj: Any, world_size: int) -> list[Any]:
-    import torch.distributed as dist
-
-    if world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def collect(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
     """The machine fields of a :class:`~hfscale.records.measurements.VerificationRecord`, read on this rank and
     gathered.
@@ -111,7 +104,7 @@ def collect(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
     machine = machine_rank_from_env()
     if machine is None and world_size <= 1:
         machine = 0  # one process, no launcher: one machine
-    gathered = _all_gather((machine, socket.gethostname(), shard_ranks), world_size)
+    gathered = all_gather_object((machine, socket.gethostname(), shard_ranks), world_size)
     groups = sorted({tuple(g) for _, _, g in gathered if g is not None})
     machines = [m for m, _, _ in gathered]
     return {
@@ -221,4 +214,28 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     return problems
 
 
-__all__ = ["check", "collect", "expected_fsdp_mesh", "fsdp_mesh_facts", "machine_rank_from_env"]
+class MultiMachine(Technique):
+    """Several machines (``strategy.num_machines``) and FSDP2's mesh over them: nothing to apply (the launcher
+    places the processes), read back and checked from inside the run."""
+
+    name = "multi_machine"
+
+    def collect(self, run: TrainedRun) -> dict[str, Any]:
+        return collect(run.model, run.world_size)
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return check(strategy, record)
+
+
+TECHNIQUE = MultiMachine()
+"""This module's :class:`~hfscale.techniques.base.Technique` (registered in ``hfscale.techniques.TECHNIQUES``)."""
+
+__all__ = [
+    "TECHNIQUE",
+    "MultiMachine",
+    "check",
+    "collect",
+    "expected_fsdp_mesh",
+    "fsdp_mesh_facts",
+    "machine_rank_from_env",
+]

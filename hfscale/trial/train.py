@@ -17,10 +17,12 @@ What the runner does, on every rank:
    runner owns (:data:`RUNNER_TRAINING_ARGS`: a temporary ``output_dir``, no checkpoints, the step or epoch count
    from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
    so a multi-process loss is not multiplied by the world size); the loss curve is recorded on the device
-   (:class:`LossRecorder`), not logged every step;
-5. for FSDP with transformer-layer wrapping and no class named, names the model's blocks
-   (:func:`fsdp_block_classes`); on CPU, applies :func:`hfscale.techniques.fsdp_cpu.enable_fsdp2_on_cpu` (accelerate
-   would run DDP instead);
+   (:class:`~hfscale.trial.recording.LossRecorder`), not logged every step;
+5. applies every registered technique (:data:`hfscale.techniques.TECHNIQUES`): each loads, then adapts, the model
+   (tensor parallelism: reloaded sharded; LoRA: adapters), prepares what ``TrainingArguments`` need (FSDP on CPU:
+   :func:`hfscale.techniques.fsdp_cpu.enable_fsdp2_on_cpu`, else accelerate would run DDP; a mesh's
+   ``ParallelismConfig``) and is applied to the built Trainer (activation offloading); for FSDP with
+   transformer-layer wrapping and no class named, names the model's blocks (:func:`fsdp_block_classes`);
 6. trains with :class:`~hfscale.callbacks.MemoryCallback`, :class:`~hfscale.callbacks.ThroughputCallback` and
    :class:`~hfscale.callbacks.VerificationCallback` (the one a user adds to a Trainer, in ``warn`` mode: it reads
    what ran at the end of the first step and checks it against the strategy), bound to the Trainer with
@@ -42,27 +44,29 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfscale.configs import DEEPSPEED_FILE, TRAINING_ARGS_FILE
+from hfscale.core.files import utc_from_epoch, write_atomic
 from hfscale.records.row import TrialOutcome, to_json_text
-from hfscale.techniques.mesh import prepare_trial as prepare_mesh
+from hfscale.techniques import TECHNIQUES
+from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
 from hfscale.workload.model import build_model
 from hfscale.workload.spec import TrialSpec
 
 if TYPE_CHECKING:
-    import datasets
-    from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers import PreTrainedModel, Trainer
+    from transformers.trainer_utils import TrainOutput
+
+    from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback
 
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------------------
 # The result file
 # --------------------------------------------------------------------------------------------------------------
-
-TRAINING_ARGS_FILE = "training_args.json"
-"""Looked for next to the spec when ``--training-args`` is not given (``hfscale.configs.write_configs`` writes it)."""
 
 DEFAULT_SEED = 42
 """Seed of every trial whose recipe sets none (``TrainingArguments``' own default)."""
@@ -75,7 +79,8 @@ RUNNER_TRAINING_ARGS: dict[str, Any] = {
 """``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
 keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
 times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
-:class:`LossRecorder`, not by logging every step, which would gather and read the loss on every step."""
+:class:`~hfscale.trial.recording.LossRecorder`, not by logging every step, which would gather and read the loss
+on every step."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -93,7 +98,7 @@ def strategy_training_args(spec: TrialSpec, *, scratch_dir: str | os.PathLike[st
     ds_path = None
     ds = deepspeed_config(spec.strategy)
     if ds is not None:
-        ds_path = Path(scratch_dir) / "deepspeed.json"
+        ds_path = Path(scratch_dir) / DEEPSPEED_FILE
         ds_path.write_text(json.dumps(ds, indent=2, sort_keys=True), encoding="utf-8")
     return training_args_kwargs(spec.strategy, deepspeed_config_path=str(ds_path) if ds_path else None)
 
@@ -157,53 +162,6 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
         logger.info("FSDP wraps %s (the model's blocks)", ", ".join(blocks))
 
 
-class LossRecorder:
-    """The training loss of every optimizer step, kept on the device during training and read once at the end.
-
-    With ``logging_steps=1`` the Trainer would gather the loss across ranks and call ``.item()`` on every step: a
-    host-device synchronisation (and an all-gather with several processes) inside every timed step, which a user's
-    Trainer (logging every 500 steps by default) does not pay. Instead :meth:`wrap` keeps what each micro-batch's
-    ``training_step`` returns (exactly what the Trainer adds to the loss it logs) as a detached device tensor, with
-    the optimizer step it belongs to, and :meth:`curve` adds them up per step and averages over ranks, as the
-    Trainer's logged loss does. Two differences, both on purpose: a NaN or inf loss is kept (the Trainer's
-    ``logging_nan_inf_filter`` would log the running average instead; the parity check must see it), and every rank
-    must run the same number of micro-batches (accelerate's default ``even_batches``) for the gather.
-    """
-
-    def __init__(self) -> None:
-        self._steps: list[int] = []
-        self._losses: list[Any] = []
-
-    def wrap(self, trainer: Trainer) -> None:
-        """Record every ``training_step`` of ``trainer`` from now on."""
-        inner = trainer.training_step
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            loss = inner(*args, **kwargs)
-            self._steps.append(trainer.state.global_step)
-            self._losses.append(loss.detach().float().reshape(()))
-            return loss
-
-        trainer.training_step = training_step  # type: ignore[method-assign]
-
-    def curve(self, trainer: Trainer) -> list[float]:
-        """The loss per optimizer step, mean over ranks. Collective: call it on every rank."""
-        import torch
-
-        if not self._losses:
-            return []
-        local = torch.stack(self._losses)
-        gathered = trainer.accelerator.gather(local).reshape(-1, len(self._losses)).mean(dim=0).tolist()
-        per_step: dict[int, float] = {}
-        for step, value in zip(self._steps, gathered, strict=True):
-            per_step[step] = per_step.get(step, 0.0) + value
-        return [per_step[step] for step in sorted(per_step)]
-
-
-def _utc_iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(timespec="seconds")
-
-
 def _process_start_time() -> float:
     try:
         import psutil
@@ -213,23 +171,16 @@ def _process_start_time() -> float:
         return time.time()
 
 
-def _train_phase_clock() -> TrainerCallback:
-    from transformers import TrainerCallback
+@dataclass
+class _Trial:
+    """A built Trainer and what the runner reads from it after training."""
 
-    class _TrainPhaseClock(TrainerCallback):
-        """Marks the first step's start and training's end, to split ``train()`` into set-up and loop."""
-
-        def __init__(self) -> None:
-            self.train_begin: float | None = None
-            self.train_end: float | None = None
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.train_begin = time.perf_counter()
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.train_end = time.perf_counter()
-
-    return _TrainPhaseClock()
+    trainer: Trainer
+    memory: MemoryCallback
+    throughput: ThroughputCallback
+    verification: VerificationCallback
+    phase_clock: Any
+    recorder: LossRecorder
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -258,110 +209,22 @@ def run_trial(
     Raises:
         Whatever training raises (out of memory, a library refusing the configuration): the sweep classifies it.
     """
-    clock = time.perf_counter()
-    wall_start = time.time()
-    process_start = wall_start if process_start is None else process_start
-    timings: dict[str, float] = {"startup": wall_start - process_start}
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = now - clock
-        clock = now
-
-    import torch
-    import transformers
-    from transformers import Trainer, TrainingArguments
-
-    from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback, attach
-    from hfscale.techniques import activation_offload
-    from hfscale.workload.data import make_dataset
-
-    lap("imports")
+    timer = PhaseTimer(process_start)
+    _import_training_stack()
+    timer.lap("imports")
     scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
     try:
         if strategy_kwargs is None:
             strategy_kwargs = strategy_training_args(spec, scratch_dir=scratch)
         kwargs = merge_training_args(spec, strategy_kwargs)
-
-        # The model is built before TrainingArguments exist, so ZeRO-3 does not build it partitioned (zero.Init):
-        # every trial then starts from the same weights (zero.Init draws them differently, measured), and on
-        # several CPU processes zero.Init fails DeepSpeed's batch-size check (it sees a world of one). The
-        # accelerator's memory is unaffected: the whole model is built in host memory and only partitions move.
-        transformers.set_seed(kwargs["seed"])
-        model = build_model(spec.model, spec.data, attn_implementation=spec.strategy.attn_implementation)
-        model, mesh_args = prepare_mesh(model, spec.strategy, scratch)  # tp: reloaded sharded along its plan
-        if spec.strategy.lora is not None:  # adapters on a frozen (QLoRA: 4-bit) base, before any wrapping
-            from hfscale.techniques.lora import apply_lora
-
-            model = apply_lora(model, spec, scratch_dir=scratch)
-        lap("model_build")
-        dataset: datasets.Dataset = make_dataset(spec.data, spec.model.task)
-        lap("data_build")
-        _name_fsdp_blocks(kwargs, model)
-        if spec.strategy.fsdp is not None and spec.strategy.device == "cpu":
-            from hfscale.techniques.fsdp_cpu import enable_fsdp2_on_cpu
-
-            enable_fsdp2_on_cpu()
-        args = TrainingArguments(output_dir=os.path.join(scratch, "output"), **kwargs, **mesh_args)
-        lap("training_args")
-        phase_clock = _train_phase_clock()
-        memory_cb = MemoryCallback()
-        throughput_cb = ThroughputCallback(warmup_steps=spec.measure.warmup_steps)
-        # Counts the parameters when the Trainer is built, before FSDP1 turns them into views of its shard.
-        verify_cb = VerificationCallback(spec.strategy, on_mismatch="warn")
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=dataset,
-            callbacks=[memory_cb, throughput_cb, phase_clock, verify_cb],
-        )
-        activation_offload.apply(trainer, spec.strategy)  # offload hooks; DeepSpeed's checkpoint function
-        recorder = LossRecorder()
-        recorder.wrap(trainer)
-        # Bound explicitly: the callbacks never search the call stack for their Trainer.
-        attach(trainer, memory_cb, throughput_cb, verify_cb)
-        lap("trainer_init")
-
-        train_call_start = time.perf_counter()
-        output = trainer.train()
-        clock = time.perf_counter()
-        timings["train_call"] = clock - train_call_start
-        if phase_clock.train_begin is not None:
-            timings["train_setup"] = phase_clock.train_begin - train_call_start
-            if phase_clock.train_end is not None:
-                timings["train_loop"] = phase_clock.train_end - phase_clock.train_begin
-
-        # Verified by the callback at the end of the first step (warn mode: a mismatch is a not_applied result).
-        record = verify_cb.record
-        mismatches = verify_cb.mismatches
-        lap("verify")
-
-        loss_curve = recorder.curve(trainer)
-        outcome = TrialOutcome(
-            trial=spec.name,
-            status="not_applied" if mismatches else "ok",
-            reason=("what ran is not what was asked: " + "; ".join(mismatches)) if mismatches else None,
-            mismatches=mismatches,
-            train_runtime_s=output.metrics.get("train_runtime"),
-            train_samples_per_second=output.metrics.get("train_samples_per_second"),
-            loss_curve=loss_curve,
-            memory=memory_cb.summary,
-            throughput=throughput_cb.summary,
-            verification=record,
-            world_size=record.world_size if record is not None else int(args.world_size),
-            training_args=kwargs,
-            started_at=_utc_iso(process_start),
-        )
-        if mismatches:
-            logger.warning("trial %s: not applied: %s", spec.name, "; ".join(mismatches))
-        finished = time.time()
-        timings["total"] = finished - process_start
-        outcome.timings_s = timings
-        outcome.finished_at = _utc_iso(finished)
-        if result_path is not None and trainer.is_world_process_zero():
+        trial = _build_trial(spec, kwargs, scratch, timer)
+        output = _train(trial, timer)
+        outcome = _outcome(spec, trial, output, kwargs, timer)
+        if result_path is not None and trial.trainer.is_world_process_zero():
             write_outcome(outcome, result_path)
         # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
+        import torch
+
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return outcome
@@ -369,12 +232,118 @@ def run_trial(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _import_training_stack() -> None:
+    """Import what training needs, so that its cost (seconds: the Trainer pulls in torch's compiler stack) is the
+    ``imports`` phase rather than part of the first phase that needs it."""
+    import torch  # noqa: F401
+    from transformers import Trainer, TrainingArguments  # noqa: F401
+
+    from hfscale.callbacks import MemoryCallback  # noqa: F401
+    from hfscale.workload.data import make_dataset  # noqa: F401
+
+
+def _build_model(spec: TrialSpec, scratch: str) -> Any:
+    """The trial's model, as every technique needs it: loaded (tensor parallel: sharded), then adapted (LoRA)."""
+    # The model is built before TrainingArguments exist, so ZeRO-3 does not build it partitioned (zero.Init):
+    # every trial then starts from the same weights (zero.Init draws them differently, measured), and on
+    # several CPU processes zero.Init fails DeepSpeed's batch-size check (it sees a world of one). The
+    # accelerator's memory is unaffected: the whole model is built in host memory and only partitions move.
+    model = build_model(spec.model, spec.data, attn_implementation=spec.strategy.attn_implementation)
+    for technique in TECHNIQUES:
+        model = technique.load_model(model, spec, scratch)
+    for technique in TECHNIQUES:  # adapters on a frozen (QLoRA: 4-bit) base, before any wrapping
+        model = technique.adapt_model(model, spec, scratch)
+    return model
+
+
+def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: PhaseTimer) -> _Trial:
+    """The model, the data, ``TrainingArguments`` and the Trainer with hfscale's callbacks, each phase timed."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback, attach
+    from hfscale.workload.data import make_dataset
+
+    transformers.set_seed(kwargs["seed"])
+    model = _build_model(spec, scratch)
+    timer.lap("model_build")
+    dataset = make_dataset(spec.data, spec.model.task)
+    timer.lap("data_build")
+    _name_fsdp_blocks(kwargs, model)
+    objects: dict[str, Any] = {}  # keywords that are not JSON (a mesh's ParallelismConfig): kept out of the result
+    for technique in TECHNIQUES:
+        objects |= technique.prepare_arguments(spec.strategy)
+    args = TrainingArguments(output_dir=os.path.join(scratch, "output"), **kwargs, **objects)
+    timer.lap("training_args")
+    phase_clock = train_phase_clock()
+    memory_cb = MemoryCallback()
+    throughput_cb = ThroughputCallback(warmup_steps=spec.measure.warmup_steps)
+    # Counts the parameters when the Trainer is built, before FSDP1 turns them into views of its shard.
+    verify_cb = VerificationCallback(spec.strategy, on_mismatch="warn")
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset, callbacks=[memory_cb, throughput_cb, phase_clock, verify_cb]
+    )
+    for technique in TECHNIQUES:  # offload hooks; DeepSpeed's checkpoint function
+        technique.apply(trainer, spec.strategy)
+    recorder = LossRecorder()
+    recorder.wrap(trainer)
+    # Bound explicitly: the callbacks never search the call stack for their Trainer.
+    attach(trainer, memory_cb, throughput_cb, verify_cb)
+    timer.lap("trainer_init")
+    return _Trial(trainer, memory_cb, throughput_cb, verify_cb, phase_clock, recorder)
+
+
+def _train(trial: _Trial, timer: PhaseTimer) -> TrainOutput:
+    """``trainer.train()``, timed as a whole and split into set-up and loop at the first step."""
+    train_call_start = timer.last
+    output = trial.trainer.train()
+    timer.lap("train_call")
+    begin, end = trial.phase_clock.train_begin, trial.phase_clock.train_end
+    if begin is not None:
+        timer.timings["train_setup"] = begin - train_call_start
+        if end is not None:
+            timer.timings["train_loop"] = end - begin
+    return output
+
+
+def _outcome(
+    spec: TrialSpec, trial: _Trial, output: TrainOutput, kwargs: dict[str, Any], timer: PhaseTimer
+) -> TrialOutcome:
+    """The outcome of a trained trial: ``not_applied`` when the verification found mismatches, else ``ok``.
+
+    Collective (the loss curve is averaged over ranks): call it on every rank.
+    """
+    # Verified by the callback at the end of the first step (warn mode: a mismatch is a not_applied result).
+    record = trial.verification.record
+    mismatches = trial.verification.mismatches
+    timer.lap("verify")
+    outcome = TrialOutcome(
+        trial=spec.name,
+        status="not_applied" if mismatches else "ok",
+        reason=("what ran is not what was asked: " + "; ".join(mismatches)) if mismatches else None,
+        mismatches=mismatches,
+        train_runtime_s=output.metrics.get("train_runtime"),
+        train_samples_per_second=output.metrics.get("train_samples_per_second"),
+        loss_curve=trial.recorder.curve(trial.trainer),
+        memory=trial.memory.summary,
+        throughput=trial.throughput.summary,
+        verification=record,
+        world_size=record.world_size if record is not None else int(trial.trainer.args.world_size),
+        training_args=kwargs,
+        started_at=utc_from_epoch(timer.process_start),
+    )
+    if mismatches:
+        logger.warning("trial %s: not applied: %s", spec.name, "; ".join(mismatches))
+    finished = time.time()
+    timer.timings["total"] = finished - timer.process_start
+    outcome.timings_s = timer.timings
+    outcome.finished_at = utc_from_epoch(finished)
+    return outcome
+
+
 def write_outcome(outcome: TrialOutcome, path: str | os.PathLike[str]) -> None:
     """Write the outcome as JSON atomically (the sweep never reads half a file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_json_text(outcome, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, to_json_text(outcome, indent=2) + "\n")
 
 
 def read_outcome(path: str | os.PathLike[str]) -> TrialOutcome:

@@ -6,8 +6,8 @@
   then DeepSpeed's ``DeepSpeedConfig`` / ``DeepSpeedZeroConfig`` validate the result.
 * training_args.json -> ``transformers.TrainingArguments(output_dir=..., **kwargs)``.
 
-Regenerate the golden files after an intended change with ``HFSCALE_UPDATE_GOLDEN=1 pytest tests/test_configs.py``
-and review the diff.
+Regenerate the golden files after an intended change with
+``HFSCALE_UPDATE_GOLDEN=1 pytest tests/configs/test_configs.py`` and review the diff.
 """
 
 from __future__ import annotations

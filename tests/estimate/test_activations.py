@@ -12,14 +12,10 @@ import re
 
 import pytest
 import torch
+from helpers.models import SMALL_BERT, SMALL_GPT2
 
 from hfscale.estimate import activation_bytes, model_shape_from_module
 
-SMALL_BERT = dict(
-    vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-    max_position_embeddings=512,
-)  # fmt: skip
-SMALL_GPT2 = dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=2, n_positions=512)
 _IN_BLOCK = re.compile(r"\.(layer|h)\.\d+\.")
 
 

@@ -14,17 +14,12 @@ import math
 
 import pytest
 import torch
-from helpers.models import TINY_BERT
+from helpers.models import SMALL_BERT, TINY_BERT
 
 from hfscale.core.units import GIB
 from hfscale.estimate import MemoryEstimate, estimate_memory, model_shape_from_module
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
 from hfscale.workload.spec import ModelSpec
-
-SMALL_BERT = dict(
-    vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-    max_position_embeddings=512,
-)  # fmt: skip
 
 
 def _plain_sum(est: MemoryEstimate) -> float:

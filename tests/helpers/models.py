@@ -35,3 +35,15 @@ def counted_flops_per_token(model, batch: int, seq_len: int) -> float:
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     return counter.get_total_flops() / (batch * seq_len)
+
+
+SMALL_BERT = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+"""TINY_BERT with a 1,000-token vocabulary: the embedding table no longer dominates the parameters."""
+SMALL_GPT2 = dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=2, n_positions=512)

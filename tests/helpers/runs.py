@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from helpers.models import TINY_BERT
+
+
+def write_recipe(folder: Path, data: dict[str, Any], name: str = "r.yaml") -> Path:
+    """``data`` as a recipe file ``folder/name``; returns its path."""
+    path = folder / name
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
 
 
 def launch_as_sweep(

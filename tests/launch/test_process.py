@@ -12,6 +12,7 @@ import time
 from hfscale.launch.failures import classify
 from hfscale.launch.process import (
     PID_FILE_ENV,
+    GroupLimits,
     ProcessOutcome,
     clean_environment,
     end_orphaned_group,
@@ -41,9 +42,8 @@ def test_timeout_kills_the_whole_group_grandchildren_included(tmp_path):
         env=clean_environment(),
         stdout_path=tmp_path / "out",
         stderr_path=tmp_path / "err",
-        timeout_s=1.5,
         pid_file=tmp_path / "pid",
-        kill_grace_s=1.0,
+        limits=GroupLimits(timeout_s=1.5, kill_grace_s=1.0),
     )
     assert outcome.timed_out
     assert 1.5 <= outcome.wall_time_s < 10
@@ -60,7 +60,7 @@ def test_memory_limit_makes_a_real_out_of_memory(tmp_path):
         env=clean_environment(),
         stdout_path=tmp_path / "out",
         stderr_path=tmp_path / "err",
-        memory_limit_bytes=1 * 2**30,
+        limits=GroupLimits(memory_limit_bytes=1 * 2**30),
     )
     assert outcome.returncode == 1 and not outcome.timed_out
     stderr = tail(tmp_path / "err")

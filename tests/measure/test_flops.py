@@ -12,7 +12,7 @@ from hfscale.measure.flops import (
     DEVICE_PEAK_FLOPS,
     canonical_device,
     compute_dtype,
-    count_parameters,
+    count_parameters_for_flops,
     matmul_parameters,
     mfu,
     model_flops_per_token,
@@ -113,9 +113,9 @@ def test_embeddings_are_excluded_and_the_head_counted_tied_or_not():
     embeddings = ("transformer.wte", "transformer.wpe")
     embedding_free = sum(p.numel() for n, p in tied.named_parameters() if not n.startswith(embeddings))
     head = 256 * 64  # vocabulary x hidden
-    assert count_parameters(tied) == embedding_free
-    assert count_parameters(untied) == embedding_free + head
-    assert count_parameters(tied, exclude_embeddings=False) == sum(p.numel() for p in tied.parameters())
+    assert count_parameters_for_flops(tied) == embedding_free
+    assert count_parameters_for_flops(untied) == embedding_free + head
+    assert count_parameters_for_flops(tied, exclude_embeddings=False) == sum(p.numel() for p in tied.parameters())
     # The FLOPs formula's N: the head's matmul counts whether or not it shares the embedding's tensor.
     assert matmul_parameters(tied) == matmul_parameters(untied) == embedding_free + head
 
@@ -135,7 +135,7 @@ def test_zero3_partitioned_parameters_count_their_full_size():
     layer = torch.nn.Linear(8, 8, bias=False)
     layer.weight.data = torch.empty(0)  # what ZeRO-3 leaves on a rank
     layer.weight.ds_numel = 64
-    assert count_parameters(layer) == 64
+    assert count_parameters_for_flops(layer) == 64
 
 
 def test_formula_terms():

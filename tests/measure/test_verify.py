@@ -1,5 +1,5 @@
 """What ran, verified: ``check`` names every way a record differs from the strategy asked for, and ``collect`` reads
-a real Trainer's record (multi-process records are read in tests/test_strategies_cpu.py)."""
+a real Trainer's record (multi-process records are read in tests/scenarios/test_strategies_cpu.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from hfscale.measure.verify import LinearDtypeProbe, VerificationRecord, check, collect, count_parameters
+from hfscale.measure import verify
+from hfscale.measure.verify import LinearDtypeProbe, VerificationRecord, check, collect, count_parameters_held
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
+from hfscale.techniques.base import Technique, TrainedRun
 
 TOTAL = 2_000_000
 
@@ -131,6 +133,35 @@ def test_each_mismatch_is_named(strategy, changes, expected):
     assert any(expected in p for p in problems), problems
 
 
+class Says(Technique):
+    """A technique that reads ``fields`` and finds ``problem`` whatever ran."""
+
+    def __init__(self, name: str, problem: str, fields: dict | None = None) -> None:
+        self.name, self.problem, self.fields = name, problem, fields or {}
+
+    def collect(self, run: TrainedRun) -> dict:
+        return self.fields
+
+    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
+        return [self.problem]
+
+
+def test_each_registered_technique_is_checked_in_turn_after_the_optimizer_and_before_the_batch(monkeypatch):
+    monkeypatch.setattr(verify, "TECHNIQUES", (Says("first", "first technique"), Says("second", "second technique")))
+    problems = check(BASELINE, record(optimizer_state_dtypes=["uint8"], global_batch_size=99))
+    assert len(problems) == 4
+    assert "holds uint8 states" in problems[0]
+    assert problems[1:3] == ["first technique", "second technique"]
+    assert "99 samples per optimizer step" in problems[3]
+
+
+def test_two_techniques_cannot_read_one_field(monkeypatch):
+    claims = (Says("one", "", {"compiled": True}), Says("other", "", {"compiled": False}))
+    monkeypatch.setattr(verify, "TECHNIQUES", claims)
+    with pytest.raises(RuntimeError, match=r"technique 'other' reads \['compiled'\], already read by another"):
+        verify._technique_fields(TrainedRun(trainer=None, world_size=1))  # type: ignore[arg-type]
+
+
 def deepspeed_record(stage: int, **changes) -> VerificationRecord:
     fields = dict(
         distributed_type="DEEPSPEED",
@@ -210,8 +241,8 @@ def bert_classifier_parameters(
     return embeddings + layers * per_layer + pooler + hidden * labels + labels
 
 
-def test_count_parameters_counts_tied_weights_once(tiny_gpt2):
-    total, local = count_parameters(tiny_gpt2)
+def test_count_parameters_held_counts_tied_weights_once(tiny_gpt2):
+    total, local = count_parameters_held(tiny_gpt2)
     assert tiny_gpt2.lm_head.weight is tiny_gpt2.transformer.wte.weight
     expected = gpt2_parameters(vocab=30522, positions=512, hidden=64, layers=2)
     assert expected == 2_086_272  # 30522 x 64 + 512 x 64 + 2 x 49,984 + 128

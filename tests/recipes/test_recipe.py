@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.recipes.recipe import Recipe, RecipeError, load_recipe, parse_recipe
+from hfscale.recipes.recipe import load_recipe, parse_recipe
+from hfscale.recipes.schema import Recipe, RecipeError
 
 BASE = {
     "device": "cpu",

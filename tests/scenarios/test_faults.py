@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers.runs import write_recipe
 
 from hfscale.commands.sweep import main
 from hfscale.launch.device_lock import DeviceBusyError, hold_devices
@@ -64,9 +64,8 @@ NOTHING_FITS = ["--skip-predicted-oom", "--memory-budget", "1MiB", "--no-report"
 
 
 def _recipe(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / f"{data['name']}.yaml"
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    return path
+    """The recipe file named after the recipe (two sweeps at once need two names)."""
+    return write_recipe(tmp_path, data, f"{data['name']}.yaml")
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -158,7 +158,7 @@ def test_why_not_searched():
 
 
 def test_trials_that_differ_only_in_their_batch_share_a_search_key():
-    from hfscale.recipes.recipe import RecipeTrial, RunSpec
+    from hfscale.recipes.schema import RecipeTrial, RunSpec
 
     def trial(spec: TrialSpec) -> RecipeTrial:
         return RecipeTrial(spec=spec, run=RunSpec())
@@ -179,7 +179,7 @@ def _scripted_sweep(monkeypatch, limits: dict[str, int]) -> list[tuple[str, int,
     from types import SimpleNamespace
 
     import hfscale.sweep.loop
-    from hfscale.launch.group import planned_row
+    from hfscale.launch.rows import planned_row
     from hfscale.records.measurements import ThroughputSummary
     from hfscale.records.row import TrialOutcome
 
@@ -203,9 +203,9 @@ def _scripted_sweep(monkeypatch, limits: dict[str, int]) -> list[tuple[str, int,
         measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
         return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
 
-    def launch_group(trial, *args, **kwargs):
-        batch = trial.spec.strategy.per_device_batch_size
-        fits = batch <= limit(trial.name)
+    def launch_group(request, **kwargs):
+        batch = request.trial.spec.strategy.per_device_batch_size
+        fits = batch <= limit(request.trial.name)
         outcome = ProbeOutcome(status="fits", samples_per_s=10.0 * batch) if fits else ProbeOutcome(status="oom")
         return SimpleNamespace(as_probe=lambda: outcome)
 
@@ -297,9 +297,9 @@ def test_batch_fixed_adds_no_rows_and_find_max_batch_still_only_records_the_sear
 
 
 def test_max_batch_trial_keeps_the_steps_per_epoch_and_the_recipes_repeats():
-    from hfscale.recipes.recipe import RecipeTrial, RunSpec
+    from hfscale.recipes.schema import RecipeTrial, RunSpec
     from hfscale.records.batch import BatchSearchRecord
-    from hfscale.sweep.batch import max_batch_trial
+    from hfscale.sweep.batch_axis import max_batch_trial
 
     trial = RecipeTrial(spec=_spec(4), run=RunSpec(), source="trials[0]")  # 64 samples: 16 steps of 4
     found = BatchSearchRecord(
@@ -318,8 +318,8 @@ def test_max_batch_trial_keeps_the_steps_per_epoch_and_the_recipes_repeats():
 
 def test_the_recipes_max_batch_limit_applies_unless_the_command_line_gives_one():
     from hfscale.launch.plan import SweepSettings
-    from hfscale.recipes.recipe import SweepOptions
-    from hfscale.sweep.batch import batch_settings
+    from hfscale.recipes.schema import SweepOptions
+    from hfscale.sweep.batch_axis import batch_settings
 
     both = SweepOptions(batch="both", max_batch_limit=32)
     assert batch_settings(both, SweepSettings()) == SweepSettings(max_batch_limit=32)

@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from helpers.runs import write_recipe
 
 from hfscale.commands.sweep import main
 from hfscale.estimate import estimate_memory
 from hfscale.launch.plan import SweepError, SweepSettings, estimate_runs, plan_runs
-from hfscale.recipes.recipe import RecipeError, load_recipe, parse_recipe
+from hfscale.recipes.recipe import load_recipe, parse_recipe
+from hfscale.recipes.schema import RecipeError
 from hfscale.results.run_folder import RunFolder, read_results
 from hfscale.sweep.batch import probe_spec
 from hfscale.sweep.loop import run_sweep
@@ -40,12 +40,6 @@ TINY_MODEL = {
         "max_position_embeddings": 64,
     },
 }
-
-
-def _recipe(tmp_path: Path, data: dict[str, Any], name: str = "r.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    return path
 
 
 def tiny_recipe(**over: Any) -> dict[str, Any]:
@@ -134,7 +128,7 @@ def test_a_trial_the_estimator_cannot_model_is_launched_without_an_estimate(monk
 
 
 def test_skip_predicted_oom_launches_nothing_and_records_the_prediction(tmp_path):
-    recipe = _recipe(tmp_path, tiny_recipe())
+    recipe = write_recipe(tmp_path, tiny_recipe())
     run = tmp_path / "run"
     settings = SweepSettings(memory_budget_bytes=MIB, skip_predicted_oom=True)
     outcome = run_sweep(recipe, run_dir=run, settings=settings, report=False, progress=lambda line: None)
@@ -156,7 +150,7 @@ def test_skip_predicted_oom_launches_nothing_and_records_the_prediction(tmp_path
 
 
 def test_skip_predicted_oom_on_cpu_without_a_budget_is_refused_before_anything_is_written(tmp_path, capsys):
-    recipe = _recipe(tmp_path, tiny_recipe())
+    recipe = write_recipe(tmp_path, tiny_recipe())
     assert main([str(recipe), "--skip-predicted-oom", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "--skip-predicted-oom needs a memory budget" in err and "--memory-budget" in err
@@ -178,7 +172,7 @@ def test_cli_help_and_bad_budget(capsys):
 
 
 def test_dry_run_shows_each_trials_predicted_peak_and_what_would_be_skipped(tmp_path, capsys):
-    recipe = _recipe(tmp_path, tiny_recipe())
+    recipe = write_recipe(tmp_path, tiny_recipe())
     specs = {t.name: t.spec for t in load_recipe(recipe).trials}
     fp32 = estimate_memory(specs["fp32"]).total_gib
     big = estimate_memory(specs["big"]).total_gib
@@ -253,7 +247,7 @@ SEARCH_RECIPE = {
 @pytest.mark.slow
 def test_find_max_batch_finds_the_limit_under_a_memory_cap(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = _recipe(tmp_path, SEARCH_RECIPE)
+    recipe = write_recipe(tmp_path, SEARCH_RECIPE)
     run = tmp_path / "run"
     lines: list[str] = []
     upper = 8
@@ -324,7 +318,7 @@ GPU_RECIPE = {
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_sweep_skips_what_the_gpu_cannot_hold_and_finds_the_largest_batch(tmp_path):
-    recipe = _recipe(tmp_path, GPU_RECIPE)
+    recipe = write_recipe(tmp_path, GPU_RECIPE)
     run = tmp_path / "run"
     settings = SweepSettings(skip_predicted_oom=True, find_max_batch=True, max_batch_limit=512, probe_steps=2)
     run_sweep(recipe, run_dir=run, settings=settings, report=False, progress=print)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.paths import REPO
+from helpers.runs import write_recipe
 
 from hfscale.commands.sweep import build_parser, main
 from hfscale.launch.group import LaunchInfo
@@ -55,18 +56,12 @@ def test_launch_info_from_torchrun_environment():
     assert info.default_counts(SweepSettings(num_processes=1)).num_processes == 1
 
 
-def _recipe(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    return path
-
-
 def test_repeats_are_interleaved_so_drift_reaches_every_trial_alike(tmp_path):
     data = {
         "device": "cpu",
         "trials": [{"name": "a", "measure": {"repeats": 3}}, {"name": "b"}, {"name": "c", "measure": {"repeats": 2}}],
     }
-    runs = plan_runs(load_recipe(_recipe(tmp_path, data)).trials, gpu_count=0, num_machines=1)
+    runs = plan_runs(load_recipe(write_recipe(tmp_path, data)).trials, gpu_count=0, num_machines=1)
     # b says nothing: it gets the default, three runs (hfscale.workload.spec.DEFAULT_REPEATS).
     assert [(r.name, r.repeat) for r in runs] == [
         ("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("b", 2)
@@ -78,7 +73,7 @@ def _scripted_launches(monkeypatch, step_times: dict[str, list[list[float]]]) ->
     """Replace the launch of a trial's process group by rows whose steps take the given times (run k of a trial
     gets ``step_times[name][k]``); returns the (trial, repeat) launched, in order."""
     import hfscale.sweep.loop
-    from hfscale.launch.group import planned_row
+    from hfscale.launch.rows import planned_row
     from hfscale.records.measurements import ThroughputSummary
     from hfscale.records.row import TrialOutcome
 
@@ -122,7 +117,7 @@ def test_a_target_precision_adds_interleaved_runs_until_it_is_reached(tmp_path, 
         "measure": {"target_precision": 0.05, "max_repeats": 4},
         "trials": [{"name": "steady"}, {"name": "noisy"}],
     }
-    run_sweep(_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
     assert launched == [(name, k) for k in range(4) for name in ("steady", "noisy")]
     rows = RunFolder(tmp_path / "run").rows()
     assert [r.launch is None for r in rows] == [True] * 8  # scripted rows
@@ -130,14 +125,14 @@ def test_a_target_precision_adds_interleaved_runs_until_it_is_reached(tmp_path, 
 
 
 def test_a_target_precision_is_checked_when_the_recipe_loads(tmp_path):
-    from hfscale.recipes.recipe import RecipeError
+    from hfscale.recipes.schema import RecipeError
 
     data = {"device": "cpu", "measure": {"target_precision": 5}, "trials": [{"name": "a"}]}
     with pytest.raises(RecipeError, match=r"measure.target_precision: expected a fraction between 0 and 1"):
-        load_recipe(_recipe(tmp_path, data))
+        load_recipe(write_recipe(tmp_path, data))
     data["measure"] = {"target_precision": 0.05, "max_repeats": 2}
     with pytest.raises(RecipeError, match=r"measure.max_repeats: expected at least 3"):
-        load_recipe(_recipe(tmp_path, data))
+        load_recipe(write_recipe(tmp_path, data))
 
 
 def test_plan_skips_what_cannot_run_here_with_the_reason(tmp_path, monkeypatch):
@@ -152,7 +147,7 @@ def test_plan_skips_what_cannot_run_here_with_the_reason(tmp_path, monkeypatch):
         ],
         "measure": {"repeats": 2},
     }
-    recipe = load_recipe(_recipe(tmp_path, data))
+    recipe = load_recipe(write_recipe(tmp_path, data))
     runs = plan_runs(recipe.trials, gpu_count=0, num_machines=1)
     assert [(r.name, r.repeat) for r in runs] == [(n, k) for k in (0, 1) for n in ("gpu", "zero2", "two-machines")]
     assert "no CUDA device" in runs[0].skip_reason
@@ -287,7 +282,7 @@ NOTHING_FITS = ["--skip-predicted-oom", "--memory-budget", "1MiB", "--no-report"
 
 
 def test_a_corrupt_middle_line_is_set_aside_and_its_trial_run_again_on_resume(tmp_path, capsys):
-    recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
     assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT  # every run skipped
     results = run / "results.jsonl"
     lines = results.read_text().splitlines(keepends=True)
@@ -311,7 +306,7 @@ def test_a_batch_search_that_raises_keeps_the_measured_row_and_resume_runs_only_
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(hfscale.sweep.loop, "search_trial", broken)
-    recipe, run = _recipe(tmp_path, {**SKIPPED_RECIPE, "trials": [{"name": "a"}]}), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, {**SKIPPED_RECIPE, "trials": [{"name": "a"}]}), tmp_path / "run"
     # Before: the row was appended after the search, so the OSError lost it and the sweep exited 2 ("bad input").
     assert main([str(recipe), "--run-dir", str(run), "--find-max-batch", *NOTHING_FITS]) == 1
     (row,) = read_results(run)
@@ -327,7 +322,7 @@ def test_a_batch_search_that_raises_keeps_the_measured_row_and_resume_runs_only_
 
 
 def test_resume_refuses_other_process_counts(tmp_path, capsys):
-    recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
     assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     assert main(["--resume", str(run), "--num-processes", "2"]) == 2
     assert "--num-processes 2 differs from the recorded None" in capsys.readouterr().err
@@ -349,7 +344,7 @@ def _no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_sweep_that_ran_nothing_exits_non_zero_naming_the_cause_and_what_to_do(tmp_path, capsys, monkeypatch):
     _no_gpu_here(monkeypatch)
-    recipe, run = _recipe(tmp_path, {**SKIPPED_RECIPE, "name": "gpu-only", "device": "cuda"}), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, {**SKIPPED_RECIPE, "name": "gpu-only", "device": "cuda"}), tmp_path / "run"
     # Before: three `skipped` rows and exit 0, so a job whose GPUs were not allocated "succeeded".
     assert main([str(recipe), "--run-dir", str(run), "--no-report"]) == NOTHING_RAN_EXIT == 4
     err = capsys.readouterr().err
@@ -361,7 +356,7 @@ def test_a_sweep_that_ran_nothing_exits_non_zero_naming_the_cause_and_what_to_do
     assert [r.status for r in read_results(run)] == ["skipped"] * 3  # the rows are kept
 
     # Another cause, another remedy; nothing was predicted to fit the budget.
-    oom = _recipe(tmp_path, SKIPPED_RECIPE)
+    oom = write_recipe(tmp_path, SKIPPED_RECIPE)
     assert main([str(oom), "--run-dir", str(tmp_path / "oom"), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     (last,) = [line for line in capsys.readouterr().err.splitlines() if "no trial ran" in line]
     assert "all 3 runs were skipped before launching: predicted out of memory" in last
@@ -372,7 +367,7 @@ def test_the_last_line_counts_the_recipe_trials_with_rows_beside_what_this_sweep
     _no_gpu_here(monkeypatch)
     steps = [[0.1, 0.1, 0.1]]
     _scripted_launches(monkeypatch, {"a": steps, "b": steps, "c": steps})
-    recipe, run = _recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
     assert main([str(recipe), "--run-dir", str(run), "--only", "a", "--no-report"]) == 0
     assert f"done: {run}: 1 row added (1 ok, 0 not ok); 1 of the recipe's 3 trials has rows" in capsys.readouterr().err
     # Before: "done: RUN (1 ok, 0 not ok)" for a run folder that now holds two trials' rows.
@@ -435,7 +430,7 @@ def _wait_for_trial(run_dir: Path, name: str, deadline_s: float) -> int:
 
 @pytest.mark.slow
 def test_sighup_stops_the_sweep_like_sigterm_and_resume_applies_a_new_timeout(tmp_path):
-    recipe, run = _recipe(tmp_path, LONG_RECIPE), tmp_path / "run"
+    recipe, run = write_recipe(tmp_path, LONG_RECIPE), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     sweep = subprocess.Popen(
         [PY, "-m", "hfscale.sweep", str(recipe), "--run-dir", str(run), "--no-report"],
@@ -506,7 +501,7 @@ def _hfscale_command() -> list[str]:
 @pytest.mark.slow
 def test_end_to_end_sweep_with_real_failures_interrupt_and_resume(tmp_path):
     t0 = time.monotonic()
-    recipe = _recipe(tmp_path, E2E_RECIPE)
+    recipe = write_recipe(tmp_path, E2E_RECIPE)
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     outer_cmd = [
@@ -602,13 +597,13 @@ def test_a_failing_report_is_reported_not_raised(tmp_path: Path, monkeypatch: py
     import sys as _sys
     import types
 
-    from hfscale.sweep.loop import _write_report
+    from hfscale.sweep.session import write_report
 
     def broken(run_dir: Path, **kwargs: object) -> None:
         raise ZeroDivisionError("report bug")
 
     monkeypatch.setitem(_sys.modules, "hfscale.report", types.SimpleNamespace(write_report=broken))
-    paths, error = _write_report(tmp_path, lambda line: None)
+    paths, error = write_report(tmp_path, lambda line: None)
     assert paths == [] and error is not None and "ZeroDivisionError: report bug" in error
 
 
@@ -618,7 +613,7 @@ def _precision_sweep(tmp_path, monkeypatch, speeds):
     import yaml
 
     import hfscale.sweep.loop
-    from hfscale.launch.group import planned_row
+    from hfscale.launch.rows import planned_row
     from hfscale.records.measurements import ThroughputSummary
     from hfscale.records.row import TrialOutcome
     from hfscale.results.run_folder import RunFolder
@@ -653,7 +648,7 @@ def test_target_precision_stops_on_the_run_level_interval_after_three_runs(tmp_p
     """Runs 1% apart: the run-level interval is within ± 5% at once, yet the rule takes the three runs the
     calibration asks for (0.3 stopped at two, on an interval over steps), and every row says it stopped
     sequentially."""
-    from hfscale.sweep.loop import SEQUENTIAL_MIN_RUNS
+    from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS
 
     rows = _precision_sweep(tmp_path, monkeypatch, [100.0, 101.0, 99.0, 100.0, 100.0])
     assert sorted(rows) == [(t, k) for t in ("ckpt", "fp32") for k in range(SEQUENTIAL_MIN_RUNS)]

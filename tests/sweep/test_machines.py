@@ -28,7 +28,8 @@ from hfscale.records.row import LaunchRecord, TrialResult
 from hfscale.results.run_folder import RunFolder
 from hfscale.strategy import Strategy
 from hfscale.sweep.channel import SILENT_AFTER_S, Coordinator, Follower
-from hfscale.sweep.machines import MachineReport, machine_ranks, merge_machine_reports
+from hfscale.sweep.machines import machine_ranks, merge_machine_reports
+from hfscale.sweep.messages import MachineReport, StartDecision, SweepPlan
 from hfscale.sweep.slurm import PORT_BASE, PORT_BLOCK, PORT_JOBS, SlurmJob
 
 TINY = {
@@ -200,10 +201,11 @@ def test_a_machine_that_never_comes_is_a_timeout_row_naming_it(tmp_path: Path) -
 
 
 def test_another_machine_keeps_its_logs_in_machine_0s_folder_only_where_it_sees_it(tmp_path: Path) -> None:
-    from hfscale.sweep.machines import _own_folder
+    from hfscale.sweep.follow import _own_folder
 
     run = RunFolder(tmp_path / "run")
-    plan = {"run_dir": str(run.path), "sweep_id": "abc", "recipe": "two"}
+    plan = SweepPlan(sweep_id="abc", host="elsewhere", run_dir=str(run.path), recipe="two", settings=SweepSettings(),
+                     runs=())  # fmt: skip
     # Not visible here (another machine's disk): a run folder of its own, next to the one it was given.
     assert _own_folder(plan, 1, out_dir="runs", run_dir=tmp_path / "x", resume=None) == (
         Path(f"{tmp_path}/x-machine1"),
@@ -331,29 +333,31 @@ def test_another_machines_stop_message_points_at_machine_0s_folder_and_the_resum
     folder of logs only; what works resumes machine 0's folder with every machine's driver."""
     import dataclasses
 
-    import hfscale.launch.group
     import hfscale.results.environment
+    import hfscale.sweep.follow
+    from hfscale.launch.plan import PlannedRun
     from hfscale.recipes.recipe import load_recipe
-    from hfscale.sweep.machines import follow_sweep
+    from hfscale.sweep.follow import follow_sweep
     from hfscale.sweep.outcome import SweepInterrupted
 
     def scancel(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt("SIGTERM")
 
     monkeypatch.setattr(hfscale.results.environment, "collect_environment", lambda **_: {"gpu_count": 0})
-    monkeypatch.setattr(hfscale.launch.group, "launch_group", scancel)
+    monkeypatch.setattr(hfscale.sweep.follow, "launch_group", scancel)
     monkeypatch.delenv("SLURM_GPUS_PER_NODE", raising=False)
     trial = load_recipe(_recipe(tmp_path / "two.yaml")).trials[0]
-    entry = {"index": 0, "repeat": 0, "spec": trial.spec.to_dict(), "run": dataclasses.asdict(trial.run)}
+    planned = PlannedRun(trial=trial, repeat=0, index=0)
     run0 = RunFolder(tmp_path / "run")
     run0.sweep_id_path.parent.mkdir(parents=True)
     run0.sweep_id_path.write_text("1" * 32 + "\n")  # a shared filesystem: machine 1 keeps its logs in machine 0's
     port = _free_port_block(40000, 50000, 1)
     coordinator = Coordinator(port)
     try:
-        settings = SweepSettings(num_processes=2, num_machines=2).to_dict()
-        coordinator.publish("plan", _plan(tmp_path, settings=settings, runs=[entry], sweep_id="1" * 32))
-        coordinator.publish("start/0", {"action": "launch"})
+        settings = SweepSettings(num_processes=2, num_machines=2)
+        plan = dataclasses.replace(_typed_plan(tmp_path), settings=settings, runs=(planned,), sweep_id="1" * 32)
+        coordinator.publish("plan", plan.to_json())
+        coordinator.publish("start/0", StartDecision(action="launch").to_json())
         launch = LaunchInfo(machine_rank=1, num_machines=2, master_addr="127.0.0.1", master_port=port)
         monkeypatch.setenv("SLURM_JOB_ID", "7")
         with pytest.raises(SweepInterrupted) as caught:
@@ -537,9 +541,14 @@ def test_a_killed_second_machine_is_a_failure_row_and_the_sweep_finishes(tmp_pat
 # -- the drivers' channel: liveness, retries, access (issue 13's review) -------------------------------------------
 
 
+def _typed_plan(tmp_path: Path) -> SweepPlan:
+    return SweepPlan(sweep_id="0" * 32, host="elsewhere", run_dir=str(tmp_path / "run"), recipe="two",
+                     settings=SweepSettings(), runs=())  # fmt: skip
+
+
 def _plan(tmp_path: Path, **kw: object) -> dict:
-    return {"sweep_id": "0" * 32, "host": "elsewhere", "run_dir": str(tmp_path / "run"), "recipe": "two",
-            "settings": SweepSettings().to_dict(), "runs": [], **kw}  # fmt: skip
+    """Machine 0's plan as it goes over the channel, with ``kw`` put in as any sender could."""
+    return {**_typed_plan(tmp_path).to_json(), **kw}
 
 
 def test_a_slow_start_on_another_machine_is_not_taken_for_a_dead_driver(tmp_path: Path, monkeypatch) -> None:
@@ -549,7 +558,8 @@ def test_a_slow_start_on_another_machine_is_not_taken_for_a_dead_driver(tmp_path
 
     import hfscale.results.environment
     import hfscale.sweep.channel as mc
-    from hfscale.sweep.machines import follow_sweep, write_received_environments
+    from hfscale.sweep.follow import follow_sweep
+    from hfscale.sweep.machines import write_received_environments
 
     monkeypatch.setattr(mc, "SILENT_AFTER_S", 1.0)
     monkeypatch.setattr(mc, "HEARTBEAT_S", 0.2)
@@ -626,7 +636,7 @@ def test_the_channel_needs_the_shared_token_and_takes_only_a_machines_own_keys(t
     import http.client
 
     from hfscale.sweep.channel import MAX_BODY_BYTES, TOKEN_ENV, ChannelRefused
-    from hfscale.sweep.machines import follow_sweep
+    from hfscale.sweep.follow import follow_sweep
 
     port = _free_port_block(40000, 50000, 1)
     coordinator = Coordinator(port, token="s3cret")

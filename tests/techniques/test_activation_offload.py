@@ -72,7 +72,7 @@ def test_cpu_checkpointing_alone_refused_on_cpu(monkeypatch):
     # Measured: DeepSpeed's copy to the CPU is a no-op there, and it then empties the input it meant to keep
     # ("both arguments to linear need to be at least 1D" in the next forward). Refused wherever the accelerator
     # DeepSpeed sees is the CPU, so the test says it is (it runs on a GPU machine too).
-    monkeypatch.setattr("hfscale.techniques.activation_offload._on_cpu", lambda: True)
+    monkeypatch.setattr("hfscale.techniques.deepspeed_checkpointing._on_cpu", lambda: True)
     with pytest.raises(ValueError, match="cpu_checkpointing without partition_activations fails on a CPU"):
         deepspeed_checkpoint_function({"activation_checkpointing": {"cpu_checkpointing": True}})
 
@@ -117,7 +117,7 @@ def test_deepspeed_options_reported_only_once_its_checkpoint_ran(monkeypatch):
 
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
-    from hfscale.techniques.activation_offload import _tensor_arguments_only
+    from hfscale.techniques.deepspeed_checkpointing import _tensor_arguments_only
 
     monkeypatch.setattr(checkpointing, "PARTITION_ACTIVATIONS", True)
     function = _tensor_arguments_only(checkpointing.checkpoint)

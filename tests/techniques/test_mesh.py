@@ -17,7 +17,8 @@ import pytest
 from hfscale.configs import launch_command, write_configs
 from hfscale.launch.process import free_port
 from hfscale.measure.verify import check
-from hfscale.recipes.recipe import RecipeError, parse_recipe
+from hfscale.recipes.recipe import parse_recipe
+from hfscale.recipes.schema import RecipeError
 from hfscale.records.measurements import VerificationRecord
 from hfscale.strategy import FsdpSpec, ParallelismSpec, Strategy
 from hfscale.techniques import mesh
@@ -69,10 +70,10 @@ def tp_record(**changes) -> VerificationRecord:
 
 
 def test_parallelism_config_carries_the_strategy_sizes():
-    pc = mesh.parallelism_config(FSDP2_TP2)
+    pc = mesh.accelerate_parallelism_config(FSDP2_TP2)
     assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size, pc.sp_size) == (1, 2, 2, 1, 1)
     assert pc.total_size == FSDP2_TP2.num_processes
-    assert mesh.parallelism_config(Strategy()) is None
+    assert mesh.accelerate_parallelism_config(Strategy()) is None
 
 
 def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monkeypatch):
@@ -97,13 +98,13 @@ def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monk
         if key.startswith("PARALLELISM_CONFIG_"):
             monkeypatch.setenv(key, value)
     from_env = ParallelismConfig()
-    given = mesh.parallelism_config(FSDP2_TP2)
+    given = mesh.accelerate_parallelism_config(FSDP2_TP2)
     assert from_env._sizes == given._sizes
 
 
 def test_accelerate_refuses_tp_beside_replication_alone():
     with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):
-        mesh.parallelism_config(Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2)))
+        mesh.accelerate_parallelism_config(Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2)))
 
 
 def test_script_lines_say_what_a_user_script_needs():
@@ -221,7 +222,7 @@ def test_deepspeed_sequence_parallel_read_from_the_groups_deepspeed_built(monkey
     strategy = Strategy(
         name="sp2", num_processes=2, deepspeed=DeepSpeedSpec(zero_stage=1), parallelism=ParallelismSpec(sp=2)
     )
-    state = SimpleNamespace(device_mesh=None, parallelism_config=mesh.parallelism_config(strategy))
+    state = SimpleNamespace(device_mesh=None, parallelism_config=mesh.accelerate_parallelism_config(strategy))
     not_built = mesh._mesh_sizes(state)  # no process group here: DeepSpeed built no sequence-parallel group
     assert not_built == {}
     problems = mesh.check(strategy, tp_record(device_mesh=not_built, linear_weight_placements=None))
@@ -364,7 +365,7 @@ def fsdp2_record_on_a_fake_world(dp_replicate: int, dp_shard: int) -> Verificati
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfscale.measure.verify import _fsdp_facts, _qualname, _wrapper_kind, count_parameters
+    from hfscale.measure.readback import _fsdp_facts, _qualname, _wrapper_kind, count_parameters_held
     from hfscale.techniques import multi_machine
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp_replicate * dp_shard)
@@ -375,7 +376,7 @@ def fsdp2_record_on_a_fake_world(dp_replicate: int, dp_shard: int) -> Verificati
         for layer in model.model.layers:
             fully_shard(layer, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
         fully_shard(model, mesh=device_mesh[tuple(pc.fsdp_dim_names)])
-        total, local = count_parameters(model)
+        total, local = count_parameters_held(model)
         sharding, offload = _fsdp_facts(model, model, _wrapper_kind(model))
         fsdp_mesh, shard_ranks = multi_machine.fsdp_mesh_facts(model)
         device_mesh_sizes = mesh._mesh_sizes(types.SimpleNamespace(device_mesh=device_mesh))

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launch.machines import MACHINE_DIR, MachineLaunch, launch_machines_here, machines_failure
+from hfscale.launch.machines import MACHINE_DIR, MachineLaunch, PeerTiming, launch_machines_here, machines_failure
 from hfscale.launch.plan import SweepSettings
 from hfscale.measure.verify import check
-from hfscale.recipes.recipe import RecipeTrial, RunSpec
+from hfscale.recipes.schema import RecipeTrial, RunSpec
 from hfscale.records.measurements import VerificationRecord
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy
 from hfscale.techniques.multi_machine import check as check_machines
@@ -269,7 +269,7 @@ def test_a_failed_machine_ends_the_others(tmp_path):
         tmp_path / "files",
         settings=SweepSettings(),
         python=fake_python(tmp_path),
-        peer_grace_s=1.0,
+        timing=PeerTiming(peer_grace_s=1.0),
     )
     assert time.monotonic() - start < 60
     first, second = machines
@@ -291,8 +291,7 @@ def test_a_machine_not_started_after_a_failure(tmp_path):
         tmp_path / "files",
         settings=SweepSettings(),
         python=fake_python(tmp_path),
-        peer_grace_s=0.0,
-        start_delay_s={0: 60.0},
+        timing=PeerTiming(peer_grace_s=0.0, start_delay_s={0: 60.0}),
     )
     assert machines[0].launched is None and not machines[0].ok
     assert machines[1].launched.outcome.returncode == 3
@@ -327,7 +326,7 @@ def test_a_killed_launcher_leaves_no_workers(tmp_path):
     import sys
     import threading
 
-    from hfscale.launch.process import clean_environment, free_port, run_process_group
+    from hfscale.launch.process import GroupLimits, clean_environment, free_port, run_process_group
 
     worker = tmp_path / "worker.py"
     worker.write_text(
@@ -352,7 +351,7 @@ def test_a_killed_launcher_leaves_no_workers(tmp_path):
         stdout_path=tmp_path / "out",
         stderr_path=tmp_path / "err",
         pid_file=tmp_path / "pid",
-        timeout_s=150,
+        limits=GroupLimits(timeout_s=150),
     )
     killer.join()
     left = _running(str(worker))

@@ -1,5 +1,5 @@
 """The trial runner: model and TrainingArguments building, the result file, and a whole trial run in this process
-(one rank; launched runs of every strategy are in tests/test_strategies_cpu.py)."""
+(one rank; launched runs of every strategy are in tests/scenarios/test_strategies_cpu.py)."""
 
 from __future__ import annotations
 
@@ -203,6 +203,52 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
     for phase in ("startup", "imports", "model_build", "trainer_init", "train_setup", "train_loop", "total"):
         assert outcome.timings_s[phase] >= 0, phase
     assert outcome.timings_s["total"] >= outcome.timings_s["train_call"]
+
+
+def test_a_registered_technique_takes_part_in_every_phase_of_a_trial(monkeypatch):
+    """Adding a technique is registering it: the trial loads and adapts the model, prepares TrainingArguments and
+    applies it to the Trainer through the registry, and the verification reads it back and checks it there."""
+    import hfscale.measure.verify
+    import hfscale.trial.train
+    from hfscale.techniques import TECHNIQUES
+    from hfscale.techniques.base import Technique
+
+    calls: list[str] = []
+
+    class Recording(Technique):
+        name = "recording"
+
+        def load_model(self, model, spec, scratch_dir):
+            calls.append("load_model")
+            return model
+
+        def adapt_model(self, model, spec, scratch_dir):
+            calls.append("adapt_model")
+            return model
+
+        def prepare_arguments(self, strategy):
+            calls.append("prepare_arguments")
+            return {}
+
+        def apply(self, trainer, strategy):
+            calls.append("apply")
+
+        def collect(self, run):
+            calls.append("collect")
+            assert run.model is run.trainer.model and run.world_size == 1
+            return {}
+
+        def check(self, strategy, record):
+            calls.append("check")
+            return ["the recording technique did not take effect"]
+
+    registry = (*TECHNIQUES, Recording())
+    monkeypatch.setattr(hfscale.trial.train, "TECHNIQUES", registry)
+    monkeypatch.setattr(hfscale.measure.verify, "TECHNIQUES", registry)
+    outcome = run_trial(tiny_spec())
+    assert calls == ["load_model", "adapt_model", "prepare_arguments", "apply", "collect", "check"]
+    assert outcome.status == "not_applied"
+    assert outcome.mismatches == ["the recording technique did not take effect"]
 
 
 def test_a_strategy_that_did_not_take_effect_is_not_applied(tmp_path):

@@ -1,0 +1,49 @@
+"""The one gather across ranks: nothing to gather in one process, every rank's object in rank order in several."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hfscale.core.collective import all_gather_object
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from hfscale.core.collective import all_gather_object
+
+    def rank_main(rank, folder):
+        dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
+        try:
+            seen = {"gathered": all_gather_object(["rank", rank]), "told_one": all_gather_object(rank, world_size=1)}
+        finally:
+            dist.destroy_process_group()
+        with open(f"{folder}/rank{rank}.json", "w") as fh:
+            json.dump(seen, fh)
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+    """
+)
+
+
+def test_one_process_gathers_its_own_object():
+    assert all_gather_object({"rank": 0}) == [{"rank": 0}]
+    assert all_gather_object(3, world_size=1) == [3]
+
+
+@pytest.mark.slow
+def test_two_processes_gather_each_other_in_rank_order(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=300)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["gathered"] == [["rank", 0], ["rank", 1]]
+        assert seen["told_one"] == [rank]  # the caller says one process: nothing is gathered
