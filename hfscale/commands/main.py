@@ -67,5 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     return int(func(rest) or 0)
 
 
+def console() -> int:
+    """The ``hfscale`` command (a process of its own): :func:`main` without transformers' import of peft, which no
+    command uses (a sweep's trials are processes of their own that decide for themselves)."""
+    from hfscale.core.imports import leave_out_peft
+
+    leave_out_peft()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

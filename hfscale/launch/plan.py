@@ -114,6 +114,17 @@ class SweepSettings:
         ),
     )
     """Overrides every trial's ``measure.timeout_s``."""
+    repeats: int | None = field(
+        default=None,
+        metadata=_option(
+            "--repeats",
+            "runs of every trial, over the recipe's measure.repeats (with a target_precision: the fewest); a run's "
+            "verdict needs two runs of each trial compared (with --resume: for the runs still to do)",
+            metavar="N",
+            least=1,
+        ),
+    )
+    """Overrides every trial's ``measure.repeats``."""
     only: tuple[str, ...] = field(
         default=(), metadata=_option("--only", "run only this trial (repeatable)", metavar="NAME")
     )

@@ -129,12 +129,15 @@ class Recipe:
     def trial_names(self) -> list[str]:
         return [t.name for t in self.trials]
 
-    def resolve(self, *, num_processes: int | None = None, num_machines: int | None = None) -> list[RecipeTrial]:
+    def resolve(
+        self, *, num_processes: int | None = None, num_machines: int | None = None, repeats: int | None = None
+    ) -> list[RecipeTrial]:
         """The trials with the launch's process and machine counts applied to those that do not pin them.
 
         Args:
             num_processes: processes in all (every machine) for trials that do not set ``num_processes``.
             num_machines: machines for trials that do not set ``num_machines``.
+            repeats: runs of every trial, in place of its ``measure.repeats`` (``--repeats``).
 
         Raises:
             RecipeError: when a trial's strategy is invalid with these counts (e.g. not a multiple), or one step of
@@ -142,26 +145,31 @@ class Recipe:
         """
         out = []
         for trial in self.trials:
-            changes: dict[str, int] = {}
-            if num_processes is not None and "num_processes" not in trial.pinned:
-                changes["num_processes"] = num_processes
-            if num_machines is not None and "num_machines" not in trial.pinned:
-                changes["num_machines"] = num_machines
-            if not changes:
-                out.append(trial)
-                continue
-            launch = ", ".join(f"{k}={v}" for k, v in changes.items())
-            where = f"{self.path or '<recipe>'}: {trial.source} (with the launch's {launch})"
-            try:
-                strategy = trial.spec.strategy.replace(**changes)
-                check_batch_fits_data(strategy, trial.spec.data, "")
-            except StrategyError as exc:
-                raise RecipeError(f"{where}: {exc}") from exc
-            except Invalid as exc:
-                raise RecipeError(f"{where}: {exc.path}: {exc.message}") from None
-            spec = dataclasses.replace(trial.spec, strategy=strategy)
-            out.append(dataclasses.replace(trial, spec=spec))
+            if repeats is not None:
+                measure = dataclasses.replace(trial.spec.measure, repeats=repeats)
+                trial = dataclasses.replace(trial, spec=dataclasses.replace(trial.spec, measure=measure))
+            out.append(self._with_counts(trial, num_processes=num_processes, num_machines=num_machines))
         return out
+
+    def _with_counts(self, trial: RecipeTrial, *, num_processes: int | None, num_machines: int | None) -> RecipeTrial:
+        """``trial`` with the launch's counts where it does not pin them, checked again."""
+        changes: dict[str, int] = {}
+        if num_processes is not None and "num_processes" not in trial.pinned:
+            changes["num_processes"] = num_processes
+        if num_machines is not None and "num_machines" not in trial.pinned:
+            changes["num_machines"] = num_machines
+        if not changes:
+            return trial
+        launch = ", ".join(f"{k}={v}" for k, v in changes.items())
+        where = f"{self.path or '<recipe>'}: {trial.source} (with the launch's {launch})"
+        try:
+            strategy = trial.spec.strategy.replace(**changes)
+            check_batch_fits_data(strategy, trial.spec.data, "")
+        except StrategyError as exc:
+            raise RecipeError(f"{where}: {exc}") from exc
+        except Invalid as exc:
+            raise RecipeError(f"{where}: {exc.path}: {exc.message}") from None
+        return dataclasses.replace(trial, spec=dataclasses.replace(trial.spec, strategy=strategy))
 
     def trial_specs(self, *, num_processes: int | None = None, num_machines: int | None = None) -> list[TrialSpec]:
         """The :class:`TrialSpec` of every trial (see :meth:`resolve` for the counts)."""

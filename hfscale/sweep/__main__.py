@@ -6,6 +6,9 @@ a second time as ``__main__``.
 
 import sys
 
-from hfscale.commands.sweep import main
+from hfscale.core.imports import leave_out_peft
+
+leave_out_peft()  # this process is a driver: it never trains, and transformers' import of peft costs seconds
+from hfscale.commands.sweep import main  # noqa: E402
 
 sys.exit(main())

@@ -23,7 +23,9 @@ def dry_run_lines(
     Raises:
         SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
     """
-    trials = recipe.resolve(num_processes=settings.num_processes, num_machines=settings.num_machines)
+    trials = recipe.resolve(
+        num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
+    )
     gpus = gpu_info(python=python)
     runs = plan_runs(
         trials, gpu_count=int(gpus.get("gpu_count") or 0), num_machines=settings.num_machines or 1, only=settings.only

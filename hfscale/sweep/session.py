@@ -76,7 +76,9 @@ def open_sweep(
         recipe = load_recipe(recipe_path)
         settings = settings or launch.default_counts(SweepSettings())
     settings = batch_settings(recipe.sweep, settings)
-    trials = recipe.resolve(num_processes=settings.num_processes, num_machines=settings.num_machines)
+    trials = recipe.resolve(
+        num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
+    )
     sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
     environment = collect_environment(python=python, extra=sweep_info)
     budget = memory_budget(settings, environment)

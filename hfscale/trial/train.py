@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfscale.configs import DEEPSPEED_FILE, TRAINING_ARGS_FILE
 from hfscale.core.files import utc_from_epoch, write_atomic
+from hfscale.core.imports import leave_out_peft
 from hfscale.records.row import TrialOutcome, to_json_text
 from hfscale.techniques import TECHNIQUES
 from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
@@ -383,30 +383,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def leave_out_peft_unless_used(spec: TrialSpec) -> bool:
-    """Keep transformers from importing peft in a trial that trains no LoRA; returns whether it was left out.
-
-    transformers imports peft whenever it is installed, and peft imports bitsandbytes, which imports torch's
-    compiler stack: ``from transformers import Trainer`` took 6.3 s with peft 0.21 installed and 4.6 s without
-    on 2 CPU cores (measured 2026-11-23, two runs each), paid by every process of every trial. The Trainer uses
-    peft only to ask whether a model is a peft model, which a trial's model is only under ``strategy.lora``.
-    Call it before transformers' Trainer is imported (it changes nothing after).
-    """
-    if spec.strategy.lora is not None or "transformers.trainer_utils" in sys.modules:
+    """:func:`~hfscale.core.imports.leave_out_peft` in a trial that trains no LoRA (the Trainer uses peft only to ask
+    whether a model is a peft model, which a trial's model is only under ``strategy.lora``); returns whether it was
+    left out. Call it before transformers' Trainer is imported (it changes nothing after)."""
+    if spec.strategy.lora is not None:
         return False
-    try:
-        import transformers.utils as transformers_utils
-        from transformers.utils import import_utils
-    except ImportError:
-        return False
-    if not hasattr(import_utils, "is_peft_available"):  # a transformers that asks differently: leave it alone
-        return False
-
-    def peft_unused() -> bool:
-        return False
-
-    import_utils.is_peft_available = peft_unused
-    transformers_utils.is_peft_available = peft_unused
-    return True
+    return leave_out_peft()
 
 
 def main(argv: list[str] | None = None) -> int:

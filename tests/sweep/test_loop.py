@@ -223,6 +223,18 @@ def test_dry_run_prints_each_trial_and_its_launch_command_and_runs_nothing(tmp_p
     assert not (tmp_path / "runs").exists()
 
 
+def test_repeats_replaces_every_trials_repeats(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe("cpu_small")
+    assert {t.spec.measure.repeats for t in recipe.trials} != {2}
+    assert main(["cpu_small", "--dry-run", "--repeats", "2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    n = len(recipe.trial_names)
+    assert first.startswith(f"recipe cpu_small: {n} trials, {2 * n} runs ")
+    assert main(["cpu_small", "--dry-run", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
+
+
 # -- the shared real sweep ------------------------------------------------------------------------------------------
 
 
