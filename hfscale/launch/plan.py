@@ -116,13 +116,7 @@ class SweepSettings:
     """Overrides every trial's ``measure.timeout_s``."""
     repeats: int | None = field(
         default=None,
-        metadata=_option(
-            "--repeats",
-            "runs of every trial, over the recipe's measure.repeats (with a target_precision: the fewest); a run's "
-            "verdict needs two runs of each trial compared (with --resume: for the runs still to do)",
-            metavar="N",
-            least=1,
-        ),
+        metadata=_option("--repeats", "runs of every trial, over the recipe's measure.repeats", metavar="N", least=1),
     )
     """Overrides every trial's ``measure.repeats``."""
     only: tuple[str, ...] = field(
@@ -212,6 +206,16 @@ class SweepSettings:
     """How long a driver waits for another machine's driver (:mod:`hfscale.sweep.machines`): machine 0 before each trial
     on several machines, machine k for machine 0's plan; a driver that spoke and then went silent is not waited
     for."""
+
+    channel_bind: str | None = field(
+        default=None,
+        metadata=_option(
+            "--channel-bind",
+            "machine 0's address for the other drivers (default: the one routing to --main-process-ip)",
+            metavar="ADDR",
+        ),
+    )
+    """Machine 0's address for the drivers' channel (:func:`hfscale.sweep.channel.route_address` when None)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

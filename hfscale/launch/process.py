@@ -197,11 +197,16 @@ def _reap(proc: subprocess.Popen, tag: str | None = None) -> None:
     proc.wait()
 
 
-def _limit_memory(limit_bytes: int) -> Callable[[], None]:
-    def apply() -> None:  # runs in the child between fork and exec
-        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+def _limit_memory(pid: int, limit_bytes: int) -> None:
+    """``RLIMIT_AS`` of a started process; every process it starts afterwards inherits it.
 
-    return apply
+    Set from outside with ``prlimit`` right after the start, not in the child between fork and exec: Python
+    documents ``preexec_fn`` as unsafe in a process with threads (the driver runs the channel's server and heartbeat
+    threads), where the child can deadlock before it execs. The launcher imports for seconds before it starts a
+    worker, so every worker starts under the limit.
+    """
+    with contextlib.suppress(ProcessLookupError):  # already gone: its exit status says why
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,8 +267,10 @@ def run_process_group(
     env = {**env, DRIVER_PID_ENV: str(os.getpid()), GROUP_TAG_ENV: tag}
     if pid_file is not None:
         env[PID_FILE_ENV] = str(Path(pid_file).resolve())
-    proc = _start(argv, env, stdout_path, stderr_path, cwd=cwd, memory_limit_bytes=limits.memory_limit_bytes)
+    proc = _start(argv, env, stdout_path, stderr_path, cwd=cwd)
     try:  # from here on, whatever fails (a full disk for the pid file, Ctrl-C) ends the group first
+        if limits.memory_limit_bytes:
+            _limit_memory(proc.pid, limits.memory_limit_bytes)
         if pid_file is not None:
             write_atomic(pid_file, f"{proc.pid}\n")
         if hooks.on_start is not None:
@@ -285,7 +292,6 @@ def _start(
     stderr_path: str | os.PathLike[str],
     *,
     cwd: str | os.PathLike[str] | None,
-    memory_limit_bytes: int | None,
 ) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new session, its output into the two files."""
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
@@ -297,7 +303,6 @@ def _start(
             stdout=out,
             stderr=err,
             start_new_session=True,
-            preexec_fn=_limit_memory(memory_limit_bytes) if memory_limit_bytes else None,
         )
 
 

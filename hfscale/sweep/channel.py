@@ -2,19 +2,34 @@
 (:class:`Coordinator`), the other machines' drivers read its plan and write their own keys (:class:`Follower`),
 and each side knows how long the other has been silent.
 
-Plain HTTP from the standard library: torch's TCPStore printed C++ stack traces on every wait timeout. The store
-takes a shared token (:data:`TOKEN_ENV`) and lets a follower write only its own keys; what the keys mean is
-:mod:`hfscale.sweep.machines`'.
+Plain HTTP from the standard library: torch's TCPStore printed C++ stack traces on every wait timeout. What the
+keys mean is :mod:`hfscale.sweep.machines`'.
+
+What machine 0 trusts, and no more:
+
+- **Who writes.** Every request names its machine (``X-Hfscale-Machine: k``) and carries that machine's credential,
+  an HMAC of ``k`` under the shared token (:data:`TOKEN_ENV`, :func:`machine_credential`); the token itself never
+  travels. Machine k may write only keys that end in its own number (``ready/<i>/k``, ``report/<i>/k``,
+  ``alive/k``, ``env/k``) and read only machine 0's (``plan``, ``start/<i>``). Without a token (allowed only on a
+  loopback address) the machine number still has to match the key.
+- **Where it listens.** The address that routes to ``--main-process-ip`` (or ``--channel-bind``); without a token,
+  anything but a loopback address is refused before the server starts.
+- **How long and how much.** Each socket operation times out after :data:`SOCKET_TIMEOUT_S` and a whole request
+  is cut after :data:`REQUEST_DEADLINE_S`, so no client holds a handler thread; at most :data:`MAX_HEADERS` headers
+  and :data:`MAX_BODY_BYTES` of body.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -37,8 +52,53 @@ TOKEN_ENV = "HFSCALE_SWEEP_TOKEN"
 """The shared secret every driver of one sweep has in its environment (see the module's docstring)."""
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest value a follower may write (an environment record or a report is a few KiB)."""
-# What machine k may write: its own keys only (never ``plan`` or ``start/i``, machine 0's).
-_WRITABLE = re.compile(r"(?:ready|report)/\d+/\d+|(?:alive|env)/\d+")
+MAX_HEADERS = 32
+"""The most headers a request may carry (a follower sends five)."""
+SOCKET_TIMEOUT_S = 10.0
+"""How long machine 0 waits for each read or write of a request's socket."""
+REQUEST_DEADLINE_S = 30.0
+"""How long one request may hold a handler thread in all (a client sending a byte at a time is cut there)."""
+# What machine k may write: its own keys only, the machine number last (never ``plan`` or ``start/i``, machine 0's).
+_WRITABLE = re.compile(r"(?:ready|report)/\d+/(?P<owner>\d+)|(?:alive|env)/(?P<own>\d+)")
+# What every other machine may read: machine 0's plan and decisions.
+_READABLE = re.compile(r"plan|start/\d+")
+
+
+class ChannelError(ValueError):
+    """Machine 0's channel cannot start as asked (no token on an address other machines can reach)."""
+
+
+def machine_credential(token: str, machine: int) -> str:
+    """Machine ``machine``'s credential: HMAC-SHA256 of its number under the shared token. Machine 0 derives it to
+    check who writes; a follower sends its own, never the token."""
+    return hmac.new(token.encode("utf-8"), f"hfscale-machine/{machine}".encode(), hashlib.sha256).hexdigest()
+
+
+def route_address(host: str | None) -> str:
+    """The local address that routes to ``host`` (machine 0's ``--main-process-ip``): the interface the other
+    machines reach machine 0 on. Loopback for None. Connecting a UDP socket sends nothing.
+
+    Raises:
+        ChannelError: when ``host`` cannot be resolved or routed to (naming ``--channel-bind``).
+    """
+    if host is None:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ChannelError(
+            f"no local address routes to --main-process-ip {host} ({exc}); give the address to serve the other "
+            "machines' drivers on with --channel-bind ADDR"
+        ) from exc
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,39 +141,73 @@ class _Store:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Machine 0's answers: a value by its key (GET), a follower's own key written (PUT); :func:`_handler` gives it
-    its store and token."""
+    """Machine 0's answers: one of its own keys (GET), a follower's own key written (PUT); :func:`_handler` gives it
+    its store, token and machine count."""
 
     store: _Store
     token: str | None
+    machines: int | None
+    timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler sets it on the socket: every read and write is bounded
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(REQUEST_DEADLINE_S, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        with contextlib.suppress(OSError):
+            super().finish()
+
+    def _cut(self) -> None:
+        """Past :data:`REQUEST_DEADLINE_S`: end the connection, whatever the client is still sending."""
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if len(self.headers) > MAX_HEADERS:
+            self.close_connection = True
+            self.send_error(431, f"more than {MAX_HEADERS} headers")
+            return False
+        return True
 
     def _refuse(self, code: int) -> None:
+        self.close_connection = True
         self.send_response(code)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def _allowed(self) -> bool:
-        """The shared token matches (or machine 0 has none); else answers 403."""
+    def _machine(self) -> int | None:
+        """The machine this request comes from, its credential checked; None after answering 403."""
+        claimed = self.headers.get(_MACHINE_HEADER) or ""
+        machine = int(claimed) if claimed.isdigit() and len(claimed) < 6 else None
+        if machine is None or machine == 0 or (self.machines is not None and machine >= self.machines):
+            self._refuse(403)
+            return None
         if self.token is not None:
-            given = self.headers.get(_TOKEN_HEADER) or ""
-            if not hmac.compare_digest(given.encode("utf-8"), self.token.encode("utf-8")):
+            given = (self.headers.get(_TOKEN_HEADER) or "").encode("utf-8")
+            if not hmac.compare_digest(given, machine_credential(self.token, machine).encode("utf-8")):
                 self._refuse(403)
-                return False
-        machine = self.headers.get(_MACHINE_HEADER)
-        if machine is not None and machine.isdigit():
-            with self.store.lock:
-                self.store.last_seen[int(machine)] = time.monotonic()
-        return True
+                return None
+        with self.store.lock:
+            self.store.last_seen[machine] = time.monotonic()
+        return machine
 
     def do_GET(self) -> None:
-        if not self._allowed():
+        machine = self._machine()
+        if machine is None:
             return
         key = self.path.lstrip("/")
+        if not (_READABLE.fullmatch(key) or _owner(key) == machine):
+            self._refuse(403)
+            return
         with self.store.lock:
             found, value = key in self.store.values, self.store.values.get(key)
         if not found:
-            self.send_response(404)
-            self.end_headers()
+            self._refuse(404)
             return
         body = json.dumps(value).encode("utf-8")
         self.send_response(200)
@@ -123,27 +217,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_PUT(self) -> None:
-        if not self._allowed():
+        machine = self._machine()
+        if machine is None:
             return
-        if not _WRITABLE.fullmatch(self.path.lstrip("/")):
+        key = self.path.lstrip("/")
+        if _owner(key) != machine:
             self._refuse(403)
             return
         try:
-            length = int(self.headers.get("Content-Length") or 0)
+            length = int(self.headers.get("Content-Length") or "")
         except ValueError:
-            self._refuse(400)
+            self._refuse(411)
             return
         if length < 0 or length > MAX_BODY_BYTES:
-            self.close_connection = True
             self._refuse(413)
             return
         try:
             value = json.loads(self.rfile.read(length) or b"null")
-        except ValueError:
+        except (ValueError, OSError):
             self._refuse(400)
             return
         with self.store.lock:
-            self.store.values[self.path.lstrip("/")] = value
+            self.store.values[key] = value
         self.send_response(204)
         self.end_headers()
 
@@ -151,27 +246,43 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("coordinator: " + format, *args)
 
 
-def _handler(store: _Store, token: str | None) -> type[BaseHTTPRequestHandler]:
-    """A handler class bound to ``store`` and ``token`` (the server makes one handler per request)."""
-    return type("Handler", (_Handler,), {"store": store, "token": token})
+def _owner(key: str) -> int | None:
+    """The machine whose key ``key`` is (the number it ends in); None for machine 0's keys or no key at all."""
+    match = _WRITABLE.fullmatch(key)
+    if match is None:
+        return None
+    return int(match.group("owner") or match.group("own"))
+
+
+def _handler(store: _Store, token: str | None, machines: int | None) -> type[BaseHTTPRequestHandler]:
+    """A handler class bound to ``store``, ``token`` and ``machines`` (the server makes one handler per request)."""
+    return type("Handler", (_Handler,), {"store": store, "token": token, "machines": machines})
 
 
 class Coordinator:
-    """Machine 0's end: an HTTP server (every interface, the given port) holding the plan, the decisions and the
-    other machines' reports."""
+    """Machine 0's end: an HTTP server (one address, the given port) holding the plan, the decisions and the other
+    machines' reports."""
 
-    def __init__(self, port: int, *, token: str | None = None) -> None:
+    def __init__(
+        self, port: int, *, token: str | None = None, bind: str = "127.0.0.1", machines: int | None = None
+    ) -> None:
+        """Serve on ``bind``:``port``; ``token`` defaults to :data:`TOKEN_ENV`; ``machines`` (when known) bounds
+        the machine numbers that may speak.
+
+        Raises:
+            ChannelError: without a token on an address that is not loopback.
+            OSError: when the address cannot be served.
+        """
         self.store = _Store()
         token = token or os.environ.get(TOKEN_ENV) or None
-        if token is None:
-            logger.warning(
-                "machine 0: %s is not set: the drivers' channel on port %d accepts any request from the network; "
-                "export the same random value on every machine",
-                TOKEN_ENV,
-                port,
+        if token is None and not _is_loopback(bind):
+            raise ChannelError(
+                f"machine 0: {TOKEN_ENV} is not set, and the drivers' channel would accept any request reaching "
+                f"{bind}:{port}; export the same random value on every machine (hfscale slurm does), or serve on a "
+                "loopback address (--channel-bind 127.0.0.1) when every machine's driver runs on this host"
             )
         ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer(("", port), _handler(self.store, token))
+        self.server = ThreadingHTTPServer((bind, port), _handler(self.store, token, machines))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="hfscale-coordinator", daemon=True)
         self.thread.start()
@@ -237,12 +348,13 @@ class Follower:
         self._stop = threading.Event()
         self._heart: threading.Thread | None = None
         self._last_answer = time.monotonic()
-        self.token = os.environ.get(TOKEN_ENV) or None
+        token = os.environ.get(TOKEN_ENV) or None
+        self.credential = None if token is None else machine_credential(token, machine)
 
     def _request(self, key: str, data: bytes | None = None) -> Any | None:
         headers = {_MACHINE_HEADER: str(self.machine), "Content-Type": "application/json"}
-        if self.token is not None:
-            headers[_TOKEN_HEADER] = self.token
+        if self.credential is not None:
+            headers[_TOKEN_HEADER] = self.credential
         request = urllib.request.Request(
             self.base + key, data=data, method="PUT" if data is not None else "GET", headers=headers
         )
@@ -344,11 +456,17 @@ class Follower:
 __all__ = [
     "HEARTBEAT_S",
     "MAX_BODY_BYTES",
+    "MAX_HEADERS",
+    "REQUEST_DEADLINE_S",
     "SILENT_AFTER_S",
+    "SOCKET_TIMEOUT_S",
     "TOKEN_ENV",
     "Absent",
+    "ChannelError",
     "ChannelRefused",
     "Coordinator",
     "Follower",
     "MachineZeroGone",
+    "machine_credential",
+    "route_address",
 ]

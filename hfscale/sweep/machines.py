@@ -51,7 +51,7 @@ from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
 from hfscale.records.row import LaunchRecord, TrialResult
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
-from hfscale.sweep.channel import Absent, Coordinator, _absent
+from hfscale.sweep.channel import Absent, ChannelError, Coordinator, _absent, route_address
 from hfscale.sweep.messages import (
     PLAN_KEY,
     MachineReport,
@@ -188,6 +188,26 @@ def merge_machine_reports(
 # -- machine 0 leading ----------------------------------------------------------------------------------------------
 
 
+def _serve(port: int, settings: SweepSettings, launch: LaunchInfo, spans: tuple[PlannedRun, ...]) -> Coordinator:
+    """Machine 0's channel on ``--channel-bind`` (default: the address that routes to ``--main-process-ip``),
+    taking only the machine numbers the plan's runs span.
+
+    Raises:
+        SweepError: when it cannot start (no token on a reachable address, a port in use), naming the option.
+    """
+    machines = max((r.trial.spec.strategy.num_machines for r in spans), default=None)
+    try:
+        bind = settings.channel_bind or route_address(launch.master_addr)
+        return Coordinator(port, bind=bind, machines=machines)
+    except ChannelError as exc:
+        raise SweepError(str(exc)) from exc
+    except OSError as exc:
+        raise SweepError(
+            f"machine 0: cannot serve the other machines' drivers on {bind}:{port} ({exc}); choose another "
+            "--main-process-port (the same on every machine) or --channel-bind"
+        ) from exc
+
+
 @dataclass(frozen=True, kw_only=True)
 class Leader:
     """Machine 0's side of a sweep on several machines while it runs: the drivers' channel it serves and the plan
@@ -225,13 +245,7 @@ class Leader:
         port = coordination_port(launch.master_port or 29500, outer_launch=launch.launched)
         spans = tuple(r for r in todo if r.trial.spec.strategy.num_machines > 1 and r.skip_reason is None)
         check_port_block([r.index for r in spans], port)
-        try:
-            coordinator = Coordinator(port)
-        except OSError as exc:
-            raise SweepError(
-                f"machine 0: cannot serve the other machines' drivers on port {port} ({exc}); choose another "
-                "--main-process-port (the same on every machine)"
-            ) from exc
+        coordinator = _serve(port, settings, launch, spans)
         plan = SweepPlan(
             sweep_id=sweep_id, host=socket.gethostname(), run_dir=str(folder.path.resolve()),
             recipe=recipe, settings=settings, runs=spans,

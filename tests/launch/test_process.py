@@ -55,8 +55,9 @@ def test_timeout_kills_the_whole_group_grandchildren_included(tmp_path):
 
 
 def test_memory_limit_makes_a_real_out_of_memory(tmp_path):
+    # The limit is set from outside just after the start; a launcher imports for seconds before it allocates.
     outcome = run_process_group(
-        [PY, "-c", "x = bytearray(3 * 2**30)"],
+        [PY, "-c", "import time; time.sleep(0.5); x = bytearray(3 * 2**30)"],
         env=clean_environment(),
         stdout_path=tmp_path / "out",
         stderr_path=tmp_path / "err",
@@ -68,6 +69,33 @@ def test_memory_limit_makes_a_real_out_of_memory(tmp_path):
     verdict = classify(outcome, stderr, memory_limit_bytes=2**30)
     assert verdict.status == "oom"
     assert "memory limit 1 GiB" in verdict.reason
+
+
+def test_the_memory_limit_is_set_without_preexec_fn_and_reaches_the_grandchildren(tmp_path, monkeypatch):
+    """``preexec_fn`` is unsafe in the driver, which runs threads (the channel's server, the heartbeat): the limit is
+    set on the started process with ``prlimit``, and a process it starts later inherits it."""
+    import hfscale.launch.process as process
+
+    started: list[dict] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        started.append(kwargs)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(process.subprocess, "Popen", recording_popen)
+    child = "import resource; print(resource.getrlimit(resource.RLIMIT_AS)[0])"
+    code = f"import subprocess, sys, time; time.sleep(0.5); subprocess.run([sys.executable, '-c', {child!r}])"
+    outcome = run_process_group(
+        [PY, "-c", code],
+        env=clean_environment(),
+        stdout_path=tmp_path / "out",
+        stderr_path=tmp_path / "err",
+        limits=GroupLimits(memory_limit_bytes=3 * 2**30),
+    )
+    assert outcome.returncode == 0, tail(tmp_path / "err")
+    assert (tmp_path / "out").read_text().split() == [str(3 * 2**30)]
+    assert [kwargs.get("preexec_fn") for kwargs in started] == [None]
 
 
 def test_a_signal_is_a_crash_named_by_the_signal(tmp_path):

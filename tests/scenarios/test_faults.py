@@ -217,6 +217,8 @@ def test_two_sweeps_at_once_take_turns_on_the_device_and_leave_nothing_in_the_te
 
 
 def test_a_device_held_too_long_is_refused_or_shared_as_asked(tmp_path):
+    """The holder's record survives every contended attempt to take the lock (filelock >= 3.30; before, each attempt
+    truncated the file, and the messages said "a process that did not say who it is")."""
     lines: list[str] = []
     with hold_devices(["cuda0"], run_dir=tmp_path / "first", trial="t1", directory=tmp_path) as first:
         assert first.waited_s is not None and first.waited_s < 1 and first.shared_with is None

@@ -635,7 +635,7 @@ def test_put_until_retries_and_gives_up_when_machine_0_is_gone(monkeypatch) -> N
 def test_the_channel_needs_the_shared_token_and_takes_only_a_machines_own_keys(tmp_path: Path, monkeypatch) -> None:
     import http.client
 
-    from hfscale.sweep.channel import MAX_BODY_BYTES, TOKEN_ENV, ChannelRefused
+    from hfscale.sweep.channel import MAX_BODY_BYTES, TOKEN_ENV, ChannelRefused, machine_credential
     from hfscale.sweep.follow import follow_sweep
 
     port = _free_port_block(40000, 50000, 1)
@@ -658,7 +658,8 @@ def test_the_channel_needs_the_shared_token_and_takes_only_a_machines_own_keys(t
         assert coordinator.value("plan")["recipe"] == "two" and coordinator.value("start/0") is None
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         connection.putrequest("PUT", "/env/1")
-        connection.putheader("X-Hfscale-Token", "s3cret")
+        connection.putheader("X-Hfscale-Machine", "1")
+        connection.putheader("X-Hfscale-Token", machine_credential("s3cret", 1))
         connection.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
         connection.endheaders()
         assert connection.getresponse().status == 413
