@@ -319,13 +319,9 @@ def script_lines(strategy: Strategy, config_dir: Path) -> list[tuple[str, str]]:
     last line
     adds :class:`hfscale.callbacks.VerificationCallback`, which fails the run when what runs is not ``strategy``.
     """
-    from hfscale.techniques import activation_offload, fsdp_cpu, kernels, lora, mesh
+    from hfscale.techniques import SCRIPT_ORDER
 
-    lines = mesh.script_lines(strategy)
-    lines += fsdp_cpu.script_lines(strategy)
-    lines += kernels.script_lines(strategy)  # the attention kernel, chosen when the model is built
-    lines += lora.script_lines(strategy)  # the LoraConfig (and QLoRA's BitsAndBytesConfig) keywords
-    lines += activation_offload.script_lines(strategy)  # offload hooks; DeepSpeed's checkpoint function
+    lines = [line for technique in SCRIPT_ORDER for line in technique.script_lines(strategy)]
     lines.append(
         (
             "and after building the Trainer, this line checks at the first step that what runs is what was asked "

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="machine 0's port for the drivers; trial i rendezvouses on PORT + 1 + i (default %(default)s)",
     )
+    machines.add_argument(
+        "--channel-bind",
+        metavar="ADDR",
+        help="machine 0's address for the other drivers (default: the one that routes to --main-process-ip; "
+        "without HFSCALE_SWEEP_TOKEN only a loopback address)",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not write report.md/report.html at the end")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hfscale sweep: error: {flag} {exc.problem}", file=sys.stderr)
         return 2
     try:
-        launch = machine_launch(args, given, launch)
+        launch = dataclasses.replace(machine_launch(args, given, launch), channel_bind=args.channel_bind)
     except ValueError as exc:
         print(f"hfscale sweep: error: {exc}", file=sys.stderr)
         return 2

@@ -70,6 +70,9 @@ class LaunchInfo:
     num_machines: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    channel_bind: str | None = None
+    """Machine 0's address for the drivers' channel (``--channel-bind``; None: the one routing to
+    ``master_addr``). This machine's, like ``master_addr``: not recorded with the settings a resume reuses."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchInfo:

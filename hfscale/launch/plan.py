@@ -116,7 +116,12 @@ class SweepSettings:
     """Overrides every trial's ``measure.timeout_s``."""
     repeats: int | None = field(
         default=None,
-        metadata=_option("--repeats", "runs of every trial, over the recipe's measure.repeats", metavar="N", least=1),
+        metadata=_option(
+            "--repeats",
+            "runs of every trial, over the recipe's measure.repeats (with a target_precision: the fewest)",
+            metavar="N",
+            least=1,
+        ),
     )
     """Overrides every trial's ``measure.repeats``."""
     only: tuple[str, ...] = field(
@@ -206,16 +211,6 @@ class SweepSettings:
     """How long a driver waits for another machine's driver (:mod:`hfscale.sweep.machines`): machine 0 before each trial
     on several machines, machine k for machine 0's plan; a driver that spoke and then went silent is not waited
     for."""
-
-    channel_bind: str | None = field(
-        default=None,
-        metadata=_option(
-            "--channel-bind",
-            "machine 0's address for the other drivers (default: the one routing to --main-process-ip)",
-            metavar="ADDR",
-        ),
-    )
-    """Machine 0's address for the drivers' channel (:func:`hfscale.sweep.channel.route_address` when None)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -137,7 +137,8 @@ class Recipe:
         Args:
             num_processes: processes in all (every machine) for trials that do not set ``num_processes``.
             num_machines: machines for trials that do not set ``num_machines``.
-            repeats: runs of every trial, in place of its ``measure.repeats`` (``--repeats``).
+            repeats: runs of every trial, in place of its ``measure.repeats`` (``--repeats``; with a
+                ``target_precision``, the fewest).
 
         Raises:
             RecipeError: when a trial's strategy is invalid with these counts (e.g. not a multiple), or one step of
@@ -145,8 +146,9 @@ class Recipe:
         """
         out = []
         for trial in self.trials:
-            if repeats is not None:
-                measure = dataclasses.replace(trial.spec.measure, repeats=repeats)
+            if repeats is not None:  # with a target precision, the fewest runs: the most stay at least as many
+                measure = trial.spec.measure
+                measure = dataclasses.replace(measure, repeats=repeats, max_repeats=max(measure.max_repeats, repeats))
                 trial = dataclasses.replace(trial, spec=dataclasses.replace(trial.spec, measure=measure))
             out.append(self._with_counts(trial, num_processes=num_processes, num_machines=num_machines))
         return out

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from hfscale.records.batch import BatchSearchRecord, max_batch_base, max_batch_name
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from hfscale.launch.plan import PlannedRun, SweepSettings
     from hfscale.recipes.schema import Recipe, RecipeTrial, SweepOptions
     from hfscale.records.row import TrialResult
@@ -82,23 +84,24 @@ def max_batch_trial(
 
 
 def max_batch_runs(
-    runs: list[PlannedRun], stored: dict[tuple[str, int], TrialResult], recipe: Recipe
+    runs: list[PlannedRun], stored: dict[tuple[str, int], TrialResult], originals: Sequence[RecipeTrial]
 ) -> list[PlannedRun]:
     """The max-batch rows still to run: one trial per ``batch: max|both`` trial of ``runs`` whose row in ``stored``
-    found a largest batch, with the recipe's repeats, interleaved like the planned runs; rows already in ``stored``
+    found a largest batch, with the repeats of its trial in ``originals`` (the recipe's, before
+    :func:`fixed_batch_trials`, with ``--repeats``), interleaved like the planned runs; rows already in ``stored``
     are left out (a resumed sweep runs only what is missing). A trial that asks for a target precision gets two
     runs (the least that rule asks for); the sweep's extra rounds toward the target follow the planned runs only.
 
     Raises:
         StrategyError: as :func:`max_batch_trial`.
     """
-    originals = {t.name: t for t in recipe.trials}
+    by_name = {t.name: t for t in originals}
     trials = []
     for run in runs:
         row = stored.get(run.key)
         if run.repeat != 0 or row is None or run.trial.batch == "fixed":
             continue
-        trial = max_batch_trial(run.trial, row.batch_search, original=originals.get(run.name))
+        trial = max_batch_trial(run.trial, row.batch_search, original=by_name.get(run.name))
         if trial is not None:
             trials.append((run, trial))
 

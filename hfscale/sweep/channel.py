@@ -87,14 +87,15 @@ def route_address(host: str | None) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, 9))
             return str(probe.getsockname()[0])
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # a name that cannot be encoded ("a..b") raises UnicodeError
         raise ChannelError(
             f"no local address routes to --main-process-ip {host} ({exc}); give the address to serve the other "
             "machines' drivers on with --channel-bind ADDR"
         ) from exc
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP literal, or ``localhost``) is a loopback address; a host name is not."""
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
@@ -128,7 +129,8 @@ class MachineZeroGone(RuntimeError):
 
 
 class ChannelRefused(RuntimeError):
-    """Machine 0's driver refused a request (403): this driver's ``HFSCALE_SWEEP_TOKEN`` is not machine 0's."""
+    """Machine 0's driver refused a request (4xx, with its reason): another ``HFSCALE_SWEEP_TOKEN``, a machine
+    number outside the sweep, a key that is not this machine's."""
 
 
 class _Store:
@@ -174,23 +176,28 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
-    def _refuse(self, code: int) -> None:
+    def _refuse(self, code: int, why: str = "") -> None:
+        """Answer ``code`` with ``why`` as its body (the follower puts it in its error) and end the connection."""
+        body = why.encode("utf-8")
         self.close_connection = True
         self.send_response(code)
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def _machine(self) -> int | None:
         """The machine this request comes from, its credential checked; None after answering 403."""
         claimed = self.headers.get(_MACHINE_HEADER) or ""
         machine = int(claimed) if claimed.isdigit() and len(claimed) < 6 else None
         if machine is None or machine == 0 or (self.machines is not None and machine >= self.machines):
-            self._refuse(403)
+            span = f"1 to {self.machines - 1}" if self.machines is not None else "1 or more"
+            self._refuse(403, f"machine {claimed or '(none)'} is not one of this sweep's machines ({span})")
             return None
         if self.token is not None:
             given = (self.headers.get(_TOKEN_HEADER) or "").encode("utf-8")
             if not hmac.compare_digest(given, machine_credential(self.token, machine).encode("utf-8")):
-                self._refuse(403)
+                self._refuse(403, f"not machine {machine}'s credential: set the same {TOKEN_ENV} on every machine")
                 return None
         with self.store.lock:
             self.store.last_seen[machine] = time.monotonic()
@@ -202,7 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         key = self.path.lstrip("/")
         if not (_READABLE.fullmatch(key) or _owner(key) == machine):
-            self._refuse(403)
+            self._refuse(403, f"machine {machine} may read machine 0's plan and decisions and its own keys only")
             return
         with self.store.lock:
             found, value = key in self.store.values, self.store.values.get(key)
@@ -222,20 +229,20 @@ class _Handler(BaseHTTPRequestHandler):
             return
         key = self.path.lstrip("/")
         if _owner(key) != machine:
-            self._refuse(403)
+            self._refuse(403, f"machine {machine} may write only its own keys (ending in /{machine})")
             return
         try:
             length = int(self.headers.get("Content-Length") or "")
         except ValueError:
-            self._refuse(411)
+            self._refuse(411, "a numeric Content-Length is required")
             return
         if length < 0 or length > MAX_BODY_BYTES:
-            self._refuse(413)
+            self._refuse(413, f"at most {MAX_BODY_BYTES} bytes")
             return
         try:
             value = json.loads(self.rfile.read(length) or b"null")
         except (ValueError, OSError):
-            self._refuse(400)
+            self._refuse(400, "the body is not JSON")
             return
         with self.store.lock:
             self.store.values[key] = value
@@ -252,6 +259,17 @@ def _owner(key: str) -> int | None:
     if match is None:
         return None
     return int(match.group("owner") or match.group("own"))
+
+
+class _Server(ThreadingHTTPServer):
+    """The standard threading server, quiet about a client that went away mid-request (cut at its deadline, reset):
+    a debug line instead of a traceback on machine 0's stderr."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("coordinator: request from %s ended early", client_address, exc_info=True)
 
 
 def _handler(store: _Store, token: str | None, machines: int | None) -> type[BaseHTTPRequestHandler]:
@@ -275,15 +293,13 @@ class Coordinator:
         """
         self.store = _Store()
         token = token or os.environ.get(TOKEN_ENV) or None
-        if token is None and not _is_loopback(bind):
+        if token is None and not is_loopback(bind):
             raise ChannelError(
                 f"machine 0: {TOKEN_ENV} is not set, and the drivers' channel would accept any request reaching "
                 f"{bind}:{port}; export the same random value on every machine (hfscale slurm does), or serve on a "
                 "loopback address (--channel-bind 127.0.0.1) when every machine's driver runs on this host"
             )
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer((bind, port), _handler(self.store, token, machines))
-        self.server.daemon_threads = True
+        self.server = _Server((bind, port), _handler(self.store, token, machines))
         self.thread = threading.Thread(target=self.server.serve_forever, name="hfscale-coordinator", daemon=True)
         self.thread.start()
 
@@ -362,13 +378,15 @@ class Follower:
             with urllib.request.urlopen(request, timeout=5) as response:
                 body = response.read()
         except urllib.error.HTTPError as exc:
+            self._last_answer = time.monotonic()  # machine 0 answered, even if with a refusal
             if exc.code == 404:
-                self._last_answer = time.monotonic()
                 return None
-            if exc.code == 403:
+            if 400 <= exc.code < 500:  # a retry would be refused again
+                why = ""
+                with contextlib.suppress(OSError):
+                    why = exc.read().decode("utf-8", "replace").strip()
                 raise ChannelRefused(
-                    f"machine 0's driver at {self.base} refused {key!r} (403): set the same {TOKEN_ENV} on every "
-                    "machine (and write only this machine's keys)"
+                    f"machine 0's driver at {self.base} refused {key!r} ({exc.code}): {why or exc.reason}"
                 ) from None
             raise
         self._last_answer = time.monotonic()
@@ -467,6 +485,7 @@ __all__ = [
     "Coordinator",
     "Follower",
     "MachineZeroGone",
+    "is_loopback",
     "machine_credential",
     "route_address",
 ]

@@ -179,7 +179,9 @@ class Sweep:
             if self._needs_search(run, row):
                 self._search(run, row, prefix)
         # sweep.batch: both|max: each searched trial again at its largest batch, after every fixed-batch run.
-        for extra in estimate_runs(max_batch_runs(runs, self.stored, self.recipe), budget_bytes=self.budget_bytes):
+        originals = self.recipe.resolve(repeats=self.settings.repeats)  # each trial's measure, as this sweep runs it
+        extras = max_batch_runs(runs, self.stored, originals)
+        for extra in estimate_runs(extras, budget_bytes=self.budget_bytes):
             # Marked before its one append: an unmarked copy on disk would read as an ordinary trial on --resume.
             self._launch(
                 extra,

@@ -23,12 +23,11 @@ The protocol, so that no machine waits without a bound and a failure anywhere is
    (:func:`merge_machine_reports`): the row names the machine and rank that failed first.
 
 The channel is meant for a cluster's private network. Its values are JSON, but the plan's trial specs include each
-trial's environment variables (``LD_PRELOAD``, ``PYTHONPATH`` would run code on machine ``k``), so it is guarded:
-every request carries the shared token of ``HFSCALE_SWEEP_TOKEN`` (the same value in every driver's environment;
-the sbatch script of :mod:`hfscale.sweep.slurm` generates one), compared in constant time; a request without it is
-refused (403). Machine ``k`` may write only its own keys (``ready/``, ``report/``, ``alive/``, ``env/``), at most
-4 MiB each; the plan and the decisions are machine 0's alone. Without ``HFSCALE_SWEEP_TOKEN`` the channel accepts
-any request from the network and machine 0 logs a warning.
+trial's environment variables (``LD_PRELOAD``, ``PYTHONPATH`` would run code on machine ``k``), so it is guarded as
+:mod:`hfscale.sweep.channel` describes: machine ``k`` proves its number with a credential derived from
+``HFSCALE_SWEEP_TOKEN`` (the same value in every driver's environment; the sbatch script of
+:mod:`hfscale.sweep.slurm` generates one), writes only its own keys and reads only machine 0's; without the token
+machine 0 serves only on a loopback address.
 
 Logs: with a shared filesystem (what a cluster's home or scratch usually is), machine ``k`` keeps its trials'
 configs and logs in ``RUN/machines/machine-K/`` of machine 0's run folder; where it cannot see that folder, in a
@@ -51,7 +50,7 @@ from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
 from hfscale.records.row import LaunchRecord, TrialResult
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
-from hfscale.sweep.channel import Absent, ChannelError, Coordinator, _absent, route_address
+from hfscale.sweep.channel import Absent, ChannelError, Coordinator, _absent, is_loopback, route_address
 from hfscale.sweep.messages import (
     PLAN_KEY,
     MachineReport,
@@ -189,15 +188,20 @@ def merge_machine_reports(
 
 
 def _serve(port: int, settings: SweepSettings, launch: LaunchInfo, spans: tuple[PlannedRun, ...]) -> Coordinator:
-    """Machine 0's channel on ``--channel-bind`` (default: the address that routes to ``--main-process-ip``),
-    taking only the machine numbers the plan's runs span.
+    """Machine 0's channel on ``--channel-bind``, by default the address that routes to ``--main-process-ip``,
+    taking the machine numbers of this sweep (the larger of ``--num-machines`` and what its runs span).
 
     Raises:
         SweepError: when it cannot start (no token on a reachable address, a port in use), naming the option.
     """
-    machines = max((r.trial.spec.strategy.num_machines for r in spans), default=None)
+    machines = max(
+        launch.num_machines, settings.num_machines or 1, *(r.trial.spec.strategy.num_machines for r in spans)
+    )
     try:
-        bind = settings.channel_bind or route_address(launch.master_addr)
+        bind = launch.channel_bind or _default_bind(launch.master_addr)
+    except ChannelError as exc:
+        raise SweepError(str(exc)) from exc
+    try:
         return Coordinator(port, bind=bind, machines=machines)
     except ChannelError as exc:
         raise SweepError(str(exc)) from exc
@@ -206,6 +210,17 @@ def _serve(port: int, settings: SweepSettings, launch: LaunchInfo, spans: tuple[
             f"machine 0: cannot serve the other machines' drivers on {bind}:{port} ({exc}); choose another "
             "--main-process-port (the same on every machine) or --channel-bind"
         ) from exc
+
+
+def _default_bind(main_addr: str | None) -> str:
+    """The address that routes to ``main_addr``; every interface when that is loopback although ``main_addr`` is a
+    name, which is what a hostname mapped to 127.0.1.1 in ``/etc/hosts`` (Debian's default) gives on machine 0 while
+    the other machines resolve it to its network address (the channel then still needs the token to start)."""
+    bind = route_address(main_addr)
+    if main_addr is not None and is_loopback(bind) and not is_loopback(main_addr):
+        logger.info("machine 0: %s routes to %s here; serving the drivers' channel on every interface", main_addr, bind)
+        return "0.0.0.0"
+    return bind
 
 
 @dataclass(frozen=True, kw_only=True)

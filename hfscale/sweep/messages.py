@@ -90,18 +90,30 @@ class SweepPlan:
         recipe = data.get("recipe") if isinstance(data, Mapping) else None
         if not isinstance(recipe, str) or not _FILE_NAME.fullmatch(recipe):
             raise MessageError(f"machine 0's plan names recipe {recipe!r}, not a file name")
+        sweep_id = data.get("sweep_id")
+        if not isinstance(sweep_id, str) or not _FILE_NAME.fullmatch(sweep_id):  # a part of a folder's name here
+            raise MessageError(f"machine 0's plan has sweep_id {sweep_id!r}, not a file name")
         try:
+            field = "settings"
+            settings = SweepSettings.from_dict(data["settings"])
+            field = "runs"
+            runs = []
+            for i, entry in enumerate(data["runs"]):
+                field = f"runs[{i}]"
+                runs.append(_planned_run(entry))
+            field = "run_dir"
             return cls(
-                sweep_id=str(data["sweep_id"]),
+                sweep_id=sweep_id,
                 host=str(data.get("host") or ""),
                 run_dir=str(data["run_dir"]),
                 recipe=recipe,
-                settings=SweepSettings.from_dict(data["settings"]),
-                runs=tuple(_planned_run(entry) for entry in data["runs"]),
+                settings=settings,
+                runs=tuple(runs),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MessageError(
-                f"machine 0's plan cannot be read ({type(exc).__name__}: {exc}); run the same hfscale on every machine"
+                f"machine 0's plan cannot be read: {field}: {type(exc).__name__}: {exc}; run the same hfscale on "
+                "every machine"
             ) from None
 
 

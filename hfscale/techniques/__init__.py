@@ -23,7 +23,16 @@ TECHNIQUES: tuple[Technique, ...] = (
 Each member of the protocol is called for every technique in this order (a technique acts only when the strategy
 asks for it). A trial runs every technique's :meth:`~.base.Technique.load_model` before any
 :meth:`~.base.Technique.adapt_model`, so an adaptation (LoRA) sees the model as loaded (tensor parallel) whatever
-their places here; ``hfscale config`` prints the script lines in the order they go in a script
-(:func:`hfscale.commands.config.script_lines`), which is not this one."""
+their places here; ``hfscale config`` prints the script lines in :data:`SCRIPT_ORDER`."""
 
-__all__ = ["TECHNIQUES", "Technique", "TrainedRun"]
+SCRIPT_ORDER: tuple[Technique, ...] = (
+    mesh.TECHNIQUE,  # the mesh's CPU adjustment, before the model is loaded
+    fsdp_cpu.TECHNIQUE,  # accelerate's state, before TrainingArguments
+    kernels.TECHNIQUE,  # the attention kernel, chosen when the model is built
+    lora.TECHNIQUE,  # the LoraConfig (and QLoRA's BitsAndBytesConfig) keywords
+    activation_offload.TECHNIQUE,  # offload hooks and DeepSpeed's checkpoint function, on the Trainer
+)
+"""The techniques whose :meth:`~.base.Technique.script_lines` a user's own script may need, in the order those
+lines go in it (:func:`hfscale.commands.config.script_lines`); every technique that has script lines is here."""
+
+__all__ = ["SCRIPT_ORDER", "TECHNIQUES", "Technique", "TrainedRun"]

@@ -16,7 +16,7 @@ A trial calls the members in this order, each for every registered technique:
    :class:`~hfscale.records.measurements.VerificationRecord`; then :meth:`Technique.check` compares the record
    with the strategy.
 
-``hfscale config`` prints :meth:`Technique.script_lines` for a user's own script.
+``hfscale config`` prints :meth:`Technique.script_lines` of the techniques in ``SCRIPT_ORDER`` for a user's own script.
 """
 
 from __future__ import annotations

@@ -321,11 +321,9 @@ class Lora(Technique):
     def collect(self, run: TrainedRun) -> dict[str, Any]:
         return collect(run.model)
 
-    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
-        return check(strategy, record)
+    check = staticmethod(check)
 
-    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
-        return script_lines(strategy)
+    script_lines = staticmethod(script_lines)
 
 
 TECHNIQUE = Lora()

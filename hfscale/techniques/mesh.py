@@ -431,11 +431,9 @@ class Mesh(Technique):
     def collect(self, run: TrainedRun) -> dict[str, Any]:
         return collect(run.trainer)
 
-    def check(self, strategy: Strategy, record: VerificationRecord) -> list[str]:
-        return check(strategy, record)
+    check = staticmethod(check)
 
-    def script_lines(self, strategy: Strategy) -> list[ScriptLine]:
-        return script_lines(strategy)
+    script_lines = staticmethod(script_lines)
 
 
 TECHNIQUE = Mesh()

@@ -377,3 +377,15 @@ def test_trial_names_are_read_without_building_a_model(tmp_path, monkeypatch):
         assert read_trial_names(path) == expected[path], path.name
     with pytest.raises(RecipeError, match=r"x\.yaml: trials\[0\]: expected a mapping"):
         read_trial_names(write(tmp_path, with_(trials=["fp32"])))
+
+
+def test_repeats_from_the_command_line_replace_each_trials_and_bound_a_target_precision(tmp_path):
+    measure = {**BASE["measure"], "repeats": 2}
+    trials = [{"name": "fp32"}, {"name": "seq", "measure": {"target_precision": 0.05, "max_repeats": 3}}]
+    recipe = load_recipe(write(tmp_path, with_(measure=measure, trials=trials)))
+    assert [t.spec.measure.repeats for t in recipe.resolve()] == [2, 2]
+    fixed, sequential = (t.spec.measure for t in recipe.resolve(repeats=4))
+    assert (fixed.repeats, fixed.most_runs) == (4, 4)
+    # With a target precision --repeats is the fewest runs; the most is raised to it rather than refused.
+    assert (sequential.repeats, sequential.max_repeats, sequential.most_runs) == (4, 4, 4)
+    assert recipe.resolve(repeats=1)[1].spec.measure.most_runs == 3

@@ -30,15 +30,12 @@ TOKEN = "s3cret"
 
 @pytest.fixture
 def served(monkeypatch):
-    """Machine 0's channel for three machines, with a token, on loopback; yields its port."""
+    """Machine 0's channel for three machines, with a token, on loopback; yields it and its port."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    coordinator = Coordinator(port, token=TOKEN, machines=3)
+    coordinator = Coordinator(0, token=TOKEN, machines=3)  # port 0: the kernel's choice, no race for it
     coordinator.publish("plan", {"recipe": "r"})
     try:
-        yield coordinator, port
+        yield coordinator, coordinator.server.server_address[1]
     finally:
         coordinator.close()
 
@@ -63,8 +60,8 @@ def _as(machine: int, credential_of: int | None = None) -> dict[str, str]:
     return {"X-Hfscale-Machine": str(machine), "X-Hfscale-Token": machine_credential(TOKEN, owner)}
 
 
-def _handler_threads() -> int:
-    return sum(t.is_alive() and not t.name.startswith(("hfscale-", "MainThread")) for t in threading.enumerate())
+def _threads_started_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()]
 
 
 def test_a_machine_writes_only_its_own_keys_and_reads_only_machine_0s(served, monkeypatch):
@@ -83,6 +80,14 @@ def test_a_machine_writes_only_its_own_keys_and_reads_only_machine_0s(served, mo
     with pytest.raises(ChannelRefused):
         follower.get("report/5/2")
     assert follower.get("ready/5/1") is True
+    with pytest.raises(ChannelRefused, match=r"refused 'report/5/2' \(403\): machine 1 may write only its own keys"):
+        follower.put_until("report/5/2", {"status": "ok"})  # a refusal is final: no retry, no "machine 0 is gone"
+    monkeypatch.setenv(TOKEN_ENV, "another")
+    with pytest.raises(ChannelRefused, match="not machine 1's credential: set the same HFSCALE_SWEEP_TOKEN"):
+        Follower("127.0.0.1", port, 1).get("plan")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with pytest.raises(ChannelRefused, match=r"machine 3 is not one of this sweep's machines \(1 to 2\)"):
+        Follower("127.0.0.1", port, 3).get("plan")
 
 
 def test_a_machine_cannot_speak_for_another_one(served):
@@ -120,7 +125,7 @@ def test_a_slow_or_silent_client_holds_no_thread(served, monkeypatch):
     coordinator, port = served
     monkeypatch.setattr(channel._Handler, "timeout", 0.5)
     monkeypatch.setattr(channel, "REQUEST_DEADLINE_S", 1.5)
-    before = _handler_threads()
+    before = set(threading.enumerate())
     silent = socket.create_connection(("127.0.0.1", port), timeout=10)
     silent.sendall(b"PUT /alive/1 HTTP/1.0\r\n")  # then nothing: a half-sent request
     dripping = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -137,9 +142,9 @@ def test_a_slow_or_silent_client_holds_no_thread(served, monkeypatch):
         silent.close()
         dripping.close()
     deadline = time.monotonic() + 5
-    while _handler_threads() > before and time.monotonic() < deadline:
+    while _threads_started_since(before) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _handler_threads() == before
+    assert _threads_started_since(before) == []
     assert coordinator.value("alive/1") is None
 
 
@@ -161,3 +166,37 @@ def test_the_default_address_is_the_one_that_routes_to_machine_0():
     assert route_address("127.0.0.1") == "127.0.0.1"
     with pytest.raises(ChannelError, match="--channel-bind"):
         route_address("no-such-host.invalid")
+    with pytest.raises(ChannelError, match="--channel-bind"):
+        route_address("a..b")  # not even encodable as a host name (UnicodeError inside)
+
+
+def test_a_host_name_that_routes_to_loopback_on_machine_0_serves_every_interface(monkeypatch):
+    """Debian maps the machine's own name to 127.0.1.1 in /etc/hosts, while the other machines resolve it to its
+    network address: binding 127.0.1.1 would leave them waiting, so machine 0 serves on every interface (which
+    needs the token)."""
+    import hfscale.sweep.machines as machines
+
+    monkeypatch.setattr(machines, "route_address", lambda host: "127.0.1.1" if host == "node-a" else "10.0.0.5")
+    assert machines._default_bind("node-a") == "0.0.0.0"
+    assert machines._default_bind("10.0.0.5") == "10.0.0.5"
+    monkeypatch.setattr(machines, "route_address", lambda host: "127.0.0.1")
+    assert machines._default_bind("127.0.0.1") == "127.0.0.1"  # every driver on this host: loopback stays
+
+
+def test_the_channel_takes_every_machine_of_the_job_not_only_those_of_the_runs_left(monkeypatch):
+    """A 3-machine job whose remaining runs span 2 machines: machine 2's driver still reads the plan."""
+    from hfscale.launch.group import LaunchInfo
+    from hfscale.launch.plan import SweepSettings
+    from hfscale.sweep.machines import _serve
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    launch = LaunchInfo(machine_rank=0, num_machines=3, master_addr="127.0.0.1", channel_bind="127.0.0.1")
+    coordinator = _serve(0, SweepSettings(num_machines=3), launch, ())
+    try:
+        coordinator.publish("plan", {"recipe": "r"})
+        port = coordinator.server.server_address[1]
+        assert Follower("127.0.0.1", port, 2).get("plan") == {"recipe": "r"}
+        with pytest.raises(ChannelRefused, match=r"\(1 to 2\)"):
+            Follower("127.0.0.1", port, 3).get("plan")
+    finally:
+        coordinator.close()

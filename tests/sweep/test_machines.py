@@ -643,7 +643,10 @@ def test_the_channel_needs_the_shared_token_and_takes_only_a_machines_own_keys(t
     try:
         coordinator.publish("plan", _plan(tmp_path))
         monkeypatch.delenv(TOKEN_ENV, raising=False)
-        with pytest.raises(ChannelRefused, match="refused 'plan' \\(403\\): set the same HFSCALE_SWEEP_TOKEN"):
+        with pytest.raises(
+            ChannelRefused,
+            match="refused 'plan' \\(403\\): not machine 1's credential: set the same HFSCALE_SWEEP_TOKEN",
+        ):
             Follower("127.0.0.1", port, 1).get("plan")
         monkeypatch.setenv(TOKEN_ENV, "wrong")
         with pytest.raises(ChannelRefused):

@@ -50,8 +50,15 @@ def test_a_plan_that_names_a_path_or_lacks_a_field_is_refused_by_name(tmp_path):
     with pytest.raises(MessageError, match=r"names recipe None"):
         SweepPlan.from_json(["not", "a", "plan"])
     without = {k: v for k, v in wire.items() if k != "runs"}
-    with pytest.raises(MessageError, match=r"cannot be read \(KeyError: 'runs'\); run the same hfscale"):
+    with pytest.raises(MessageError, match=r"cannot be read: runs: KeyError: 'runs'; run the same hfscale"):
         SweepPlan.from_json(without)
+    with pytest.raises(MessageError, match=r"cannot be read: settings: AttributeError"):
+        SweepPlan.from_json({**wire, "settings": ["not", "a", "mapping"]})
+    broken = {**wire, "runs": [wire["runs"][0], {**wire["runs"][1], "repeat": "x"}]}
+    with pytest.raises(MessageError, match=r"cannot be read: runs\[1\]: ValueError"):
+        SweepPlan.from_json(broken)
+    with pytest.raises(MessageError, match=r"has sweep_id '\.\./x', not a file name"):
+        SweepPlan.from_json({**wire, "sweep_id": "../x"})
 
 
 def test_a_start_decision_is_launch_only_when_it_says_so():

@@ -32,6 +32,14 @@ def test_the_registry_is_in_the_order_mismatches_are_reported():
     assert names == ["kernels", "activation_offload", "lora", "multi_machine", "mesh", "fsdp_cpu"]
 
 
+def test_every_technique_with_script_lines_is_in_the_script_order_once():
+    from hfscale.techniques import SCRIPT_ORDER
+
+    with_lines = {t.name for t in TECHNIQUES if type(t).script_lines is not Technique.script_lines}
+    assert [t.name for t in SCRIPT_ORDER] == ["mesh", "fsdp_cpu", "kernels", "lora", "activation_offload"]
+    assert {t.name for t in SCRIPT_ORDER} == with_lines and len(SCRIPT_ORDER) == len(with_lines)
+
+
 def test_a_member_not_overridden_does_nothing():
     technique, model, strategy = Technique(), object(), Strategy()
     assert technique.load_model(model, None, "scratch") is model  # type: ignore[arg-type]
