@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hfscale.core.text import short as one_line
@@ -62,6 +62,8 @@ class Column:
     """Decimals a table shows; None: an integer or text."""
     cell: Callable[[Row], str] | None = None
     """For a cell that combines several values; None: the value of ``key`` with ``digits``."""
+    definition: str = ""
+    """What the figure is, in one sentence: the HTML header's tooltip (the full definitions close the report)."""
 
     def text(self, row: Row) -> str:
         """The cell of one row."""
@@ -256,8 +258,6 @@ COLUMNS: dict[str, Column] = {
 
 def select(*keys: str, **headers: str) -> list[Column]:
     """The declared columns ``keys``, in order; ``headers`` renames some for one table."""
-    from dataclasses import replace
-
     return [replace(COLUMNS[k], header=headers[k]) if k in headers else COLUMNS[k] for k in keys]
 
 
@@ -330,10 +330,106 @@ MEMORY_COLUMNS: list[Column] = [
 """The Memory table: where each trial's memory went."""
 
 
+def _speed_cell(row: Row) -> str:
+    """``15.00 (14.21–15.83)``: the steady samples/s with its 95% interval where the runs give one."""
+    value = _num_or_none(row, "samples_per_s")
+    if value is None:
+        return "—"
+    low, high = _num_or_none(row, "samples_per_s_low"), _num_or_none(row, "samples_per_s_high")
+    return f"{value:.2f}" + ("" if low is None or high is None else f" ({low:.2f}–{high:.2f})")
+
+
+VERDICT_WORDS = {"faster": "faster", "slower": "slower", "tie": "tie", "untested": "untested"}
+
+
+def _verdict_cell(row: Row) -> str:
+    """The speed-up with its interval and the verdict in a word: ``1.50 (1.31–1.72) faster``."""
+    if row.get("verdict") == "baseline" or row.get("is_baseline"):
+        return "baseline"
+    speed = speedup_cell(row)
+    word = VERDICT_WORDS.get(str(row.get("verdict")), "")
+    return speed if speed == "—" or not word else f"{speed} {word}"
+
+
+def _fits_cell(row: Row) -> str:
+    fits = row.get("fits_budget")
+    return "—" if is_missing(fits) else ("yes" if fits else "no")
+
+
+def flags(row: Row) -> tuple[tuple[str, str], ...]:
+    """The row's flags as (badge, reason): what the slim table shows beside the status, the reason one click away."""
+    out: list[tuple[str, str]] = []
+    if row["status"] != "ok":
+        out.append((row["status"], short(row.get("reason"), 300) or "no reason recorded"))
+    if row.get("recommended"):
+        out.append(("recommended", "the fastest trial" + (" that fits the budget" if row.get("budget_known") else "")))
+    if row.get("ties_with_fastest"):
+        out.append(("ties", "as fast as the recommended trial within the noise (Tukey-Kramer, 95%)"))
+    if row.get("unstable") is True:
+        out.append(("may be unstable", short(row.get("unstable_reason"), 300) or "no reason recorded"))
+    two_runs = not is_missing(row.get("repeats_n")) and row["repeats_n"] >= 2
+    if row.get("verdict") == "untested" and two_runs and not row.get("unstable"):
+        out.append(("untested", short(row.get("verdict_reason"), 300)))
+    if row.get("parity_status") == "flagged":
+        out.append(("loss flagged", short(row.get("parity_reason"), 300) or "no reason recorded"))
+    if not is_missing(row.get("max_batch_of")):
+        out.append(("max batch", f"{row['max_batch_of']} at its largest batch: compare samples/s, not step time"))
+    return tuple(out)
+
+
+SLIM_COLUMNS: list[Column] = [
+    replace(COLUMNS["trial"], definition="The trial's name in the recipe."),
+    replace(COLUMNS["description"], definition="What the trial turns on, from its strategy."),
+    Column(
+        key="samples_per_s",
+        header="samples/s (95% interval)",
+        unit="samples/s",
+        cell=_speed_cell,
+        definition="Steady-state samples/s of all processes, geometric mean over the trial's runs; the interval "
+        "rests on the run-to-run noise pooled over the sweep.",
+    ),
+    Column(
+        key="speedup_vs_baseline",
+        header="speed-up vs baseline (x)",
+        unit="x",
+        cell=_verdict_cell,
+        definition="Ratio of geometric means against the baseline, Dunnett's simultaneous 95% interval, and the "
+        "verdict: faster, slower, tie (the interval holds 1 or the ratio is within 2%), or untested.",
+    ),
+    replace(
+        COLUMNS["peak_gib"],
+        definition="Training peak, max over ranks (GPU: allocated; CPU: resident set high-water mark).",
+    ),
+    Column(
+        key="fits_budget",
+        header="fits budget",
+        align="left",
+        cell=_fits_cell,
+        definition="Whether the trial's peak (reserved where measured) is within the memory budget; — without one.",
+    ),
+    replace(
+        COLUMNS["mfu_pct"],
+        header="MFU (%)",
+        definition="Model FLOPs per second per device over the device's peak dense rate for the dtype the "
+        "matrix multiplications ran in (shown beside it).",
+    ),
+    Column(
+        key="status",
+        header="status and flags",
+        align="left",
+        cell=lambda row: "ok" if row["status"] == "ok" else "",
+        definition="ok, or a badge saying how the trial failed; each badge's reason opens on a click.",
+    ),
+]
+"""The first screen's table: what a decision needs, every other figure in All measurements."""
+
+
 __all__ = [
     "COLUMNS",
     "MEMORY_COLUMNS",
+    "SLIM_COLUMNS",
     "Column",
+    "flags",
     "fmt",
     "interval_cell",
     "is_missing",

@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hfscale.report.answer import answer
 from hfscale.report.budget import BUDGET_COLUMNS, BUDGET_NOTE, budget_rows
-from hfscale.report.columns import MEMORY_COLUMNS, Align, Column, fmt, short, trial_columns
+from hfscale.report.columns import MEMORY_COLUMNS, SLIM_COLUMNS, Align, Column, flags, fmt, short, trial_columns
 from hfscale.report.machine import env_header, env_items
 from hfscale.report.ranks import MACHINE_HEADERS, MACHINES_NOTE, RANK_COLUMNS, RANK_NOTE, machine_rows
 from hfscale.report.text import Text, plain, rich
@@ -30,6 +31,10 @@ class Table:
     row_classes: tuple[str, ...] = ()
     """Per row, how HTML colours it: ``fail``, ``warn``, ``skip``, ``rec`` or empty."""
     css: str = ""
+    titles: tuple[str, ...] = ()
+    """Per column, its definition: HTML shows it when the pointer rests on the header."""
+    badges: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Per row, flags (badge, reason) shown after the last cell: HTML folds each reason under its badge."""
 
     @property
     def show_header(self) -> bool:
@@ -43,6 +48,7 @@ class Table:
         *,
         row_class: Callable[[Mapping[str, Any]], str] | None = None,
         css: str = "",
+        badges: Callable[[Mapping[str, Any]], tuple[tuple[str, str], ...]] | None = None,
     ) -> Table:
         return cls(
             headers=tuple(c.header for c in columns),
@@ -50,6 +56,8 @@ class Table:
             rows=tuple(tuple(c.text(r) for c in columns) for r in records),
             row_classes=tuple(row_class(r) if row_class else "" for r in records),
             css=css,
+            titles=tuple(c.definition for c in columns),
+            badges=tuple(badges(r) for r in records) if badges else (),
         )
 
     @classmethod
@@ -73,21 +81,28 @@ class Figure:
     png: bytes
 
 
+RANKING_FIGURE = "report_ranking.png"
+"""The first screen's chart: speed-up against the baseline beside peak memory."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Section:
     title: str
+    anchor: str = ""
+    """The HTML section's id (``answer``, ``ranking``, ``trials``): what a link or a test finds it by."""
     level: int = 2
     paragraphs: tuple[Text, ...] = ()
     items: tuple[Text, ...] = ()
-    """A list; ``boxed`` shows it in a box (the recommendation)."""
+    """A list."""
     boxed: bool = False
+    """HTML shows the paragraphs and items in a box (the answer)."""
     table: Table | None = None
     notes: tuple[Text, ...] = ()
     """Definitions under the table."""
     figure: Figure | None = None
     code: str | None = None
     collapsed: str | None = None
-    """HTML folds the table under this label (the full environment record)."""
+    """HTML folds the section's body under this label (the full environment record, the definitions)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,38 +134,41 @@ NO_ENVIRONMENT = "No environment.json in this run folder: the machine and librar
 DEFINITIONS = (
     "**samples/s (steady)**: all processes together, the warm-up steps left out: each run's samples of the measured "
     "steps over their time, and the trial's figure is the **geometric mean over its runs** (the run, a fresh "
-    "process, is the unit of replication). **95% interval**: a t-interval on the log scale whose spread is the "
-    "run-to-run noise **pooled over every trial of the sweep** (they ran interleaved on one machine and share its "
-    "noise; **run noise** is that pooled standard deviation); *single run, no interval*: no trial of the run ran "
-    "twice, so there is no run-to-run noise to measure and none is invented. **step time CV** and **step mean SE**: "
-    "how steady one run was (standard deviation / mean of its step times; the batch-means standard error of its mean "
-    "step time, which allows for slow stretches), median over runs: diagnostics, never a verdict's interval. "
-    "**tokens/s**: the same statistic in tokens (padding included). "
+    "process, is the unit of replication).",
+    "**95% interval**: a t-interval on the log scale whose spread is the run-to-run noise **pooled over every trial "
+    "of the sweep** (they ran interleaved on one machine and share its noise; **run noise** is that pooled standard "
+    "deviation); *single run, no interval*: no trial of the run ran twice, so there is no run-to-run noise to "
+    "measure and none is invented.",
+    "**step time CV** and **step mean SE**: how steady one run was (standard deviation / mean of its step times; the "
+    "batch-means standard error of its mean step time, which allows for slow stretches), median over runs: "
+    "diagnostics, never a verdict's interval. **tokens/s**: the same statistic in tokens (padding included).",
     "**speed-up**: the ratio of geometric means against the baseline with **Dunnett's** simultaneous 95% interval "
     "(many trials against one baseline: the chance that a sweep calls any identical trial faster or slower is 5%); "
-    "**≈** marks a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold). A difference is "
-    "*untested* (with the reason in notes) when either trial has fewer than two runs, or is flagged. A trial is "
-    "flagged **may be unstable** (in notes) when the machine was busy during it (other processes on the cores or the "
-    "GPU, stolen CPU time, clock throttling) or its runs disagree far beyond the sweep's pooled noise (an F test, "
-    "1% Bonferroni-adjusted); it gets no verdict and is not recommended on speed. Ties between other pairs "
-    "(the recommendation, the budget table) use the Tukey-Kramer interval of all pairs. How this was checked: "
-    "docs/statistics.md in hfscale's repository. "
-    "**samples/s (Trainer)**: the Trainer's own `train_samples_per_second`, warm-up included. "
-    "**wall time**: the whole process group, launch to exit (start-up, model build and engine set-up included); "
-    "**train time**: the Trainer's `train_runtime`. "
+    "**≈** and *tie* mark a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold). A "
+    "difference is *untested* (with the reason in its badge) when either trial has fewer than two runs, or is "
+    "flagged. Ties between other pairs (the recommendation, the budget table) use the Tukey-Kramer interval of all "
+    "pairs. How this was checked: docs/statistics.md in hfscale's repository.",
+    "**may be unstable**: the machine was busy during the trial (other processes on the cores or the GPU, stolen "
+    "CPU time, clock throttling) or its runs disagree far beyond the sweep's pooled noise (an F test, 1% "
+    "Bonferroni-adjusted); such a trial gets no verdict and is not recommended on speed.",
+    "**samples/s (Trainer)**: the Trainer's own `train_samples_per_second`, warm-up included. **wall time**: the "
+    "whole process group, launch to exit (start-up, model build and engine set-up included); **train time**: the "
+    "Trainer's `train_runtime`.",
     "**peak memory**: the training peak, max over ranks (GPU: allocated by the caching allocator; CPU: resident "
-    "set high-water mark). **TFLOP/s per device**: model FLOPs (6N + attention, recomputation not counted) x tokens/s "
-    "/ processes; **MFU** is that over the peak dense rate of one device for the dtype the matrix multiplications "
-    'ran in, shown beside it ("48.6 of 66.9 (fp32)": 48.6 % of 66.9 TFLOP/s); an fp32 run is measured against the '
-    "fp32 peak, which is 15x lower than the bf16 peak on an H100. "
-    "**speed-up** and **memory saved** compare steady samples/s and peak memory with the baseline trial. "
-    "A trial run several times (repeats) shows the statistics above over all its runs that finished ok (**runs** "
-    "counts them all, **spread** is (max − min) / median of their samples/s), the median of their times, the "
-    "largest peak with the **peak range over runs**, and is ok only when every run was. **energy**: what the "
-    "trial's GPUs drew over one run (NVML's counter, start-up included), mean over runs, and per sample trained. "
-    "**cost per M tokens**: --price-per-hour x processes (one device each) x the time a million tokens take at the "
-    "steady tokens/s."
+    "set high-water mark). **fits budget**: the peak (reserved where measured) against the memory budget.",
+    "**TFLOP/s per device**: model FLOPs (6N + attention, recomputation not counted) x tokens/s / processes; "
+    "**MFU** is that over the peak dense rate of one device for the dtype the matrix multiplications ran in, shown "
+    'beside it ("48.6 of 66.9 (fp32)": 48.6 % of 66.9 TFLOP/s); an fp32 run is measured against the fp32 peak, '
+    "which is 15x lower than the bf16 peak on an H100.",
+    "**memory saved** compares peak memory with the baseline trial.",
+    "**runs**: a trial run several times (repeats) shows the statistics above over all its runs that finished ok "
+    "(**runs** counts them all, **spread** is (max − min) / median of their samples/s), the median of their times, "
+    "the largest peak with the **peak range over runs**, and is ok only when every run was.",
+    "**energy**: what the trial's GPUs drew over one run (NVML's counter, start-up included), mean over runs, and "
+    "per sample trained. **cost per M tokens**: --price-per-hour x processes (one device each) x the time a million "
+    "tokens take at the steady tokens/s.",
 )
+"""What each column of the trials tables means, one item per term: the report's last section."""
 
 
 def _estimate_parity_definitions() -> str:
@@ -298,33 +316,54 @@ def noise_sentence(summary: Summary) -> str:
 
 
 def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
-    """The report of one run: recommendation, environment, trials, plots, memory, batch search, failures."""
+    """The report of one run. First screen: the answer, the ranked chart and the slim table; then the details."""
     rows = records(summary.trials, budget_known=summary.recommendation.budget_bytes is not None)
+    ranking = [f for f in figures if f.name == RANKING_FIGURE]
     env, full_env = environment_sections(summary.environment)
     sections = [
-        Section(title="Recommendation", items=summary.recommendation.lines, boxed=True),
+        *_first_screen(summary, rows, ranking),
+        Section(title="Recommendation", items=summary.recommendation.lines),
+        Section(title="This run", paragraphs=_intro(summary)),
         env,
         *_machine_sections(summary),
         Section(
-            title="Trials",
+            title="All measurements",
+            anchor="measurements",
             table=Table.of(_trial_columns(summary), rows, row_class=row_class, css="trials"),
-            notes=(rich(DEFINITIONS), rich(_estimate_parity_definitions())),
+            notes=(rich(_estimate_parity_definitions()),),
         ),
         *_budget_sections(summary),
-        *(Section(title=f.title, figure=f) for f in figures),
+        *(Section(title=f.title, figure=f) for f in figures if f.name != RANKING_FIGURE),
         Section(
             title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
         ),
         *_rank_and_batch_sections(summary),
         *_failure_sections(rows),
         *([full_env] if full_env is not None else []),
+        Section(
+            title="Definitions",
+            anchor="definitions",
+            items=tuple(rich(d) for d in DEFINITIONS),
+            collapsed="what each column of the trials tables means",
+        ),
     ]
-    return Report(
-        title=f"hfscale report: {summary.run_dir.resolve().name}",
-        intro=_intro(summary),
-        sections=tuple(sections),
-        figures=tuple(figures),
-    )
+    return Report(title=f"hfscale report: {summary.run_dir.resolve().name}", intro=(), sections=tuple(sections),
+                  figures=tuple(figures))  # fmt: skip
+
+
+def _first_screen(summary: Summary, rows: Sequence[Mapping[str, Any]], ranking: Sequence[Figure]) -> list[Section]:
+    """The answer in a sentence, the ranked chart, and the slim table (its definitions on its headers)."""
+    slim = Table.of(SLIM_COLUMNS, rows, row_class=row_class, css="slim", badges=flags)
+    return [
+        Section(title="Answer", anchor="answer", paragraphs=(answer(summary),), boxed=True),
+        *(Section(title=f.title, anchor="ranking", figure=f) for f in ranking),
+        Section(
+            title="Trials",
+            anchor="trials",
+            table=slim,
+            notes=(plain("Every figure of each trial is under All measurements; what each means, under Definitions."),),
+        ),
+    ]
 
 
 def _trial_columns(summary: Summary) -> list[Column]:

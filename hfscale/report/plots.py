@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hfscale.core.units import GIB
-from hfscale.report.model import Figure
+from hfscale.report.model import RANKING_FIGURE, Figure
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -145,6 +145,73 @@ def plot_pareto(summary: Summary) -> bytes | None:
     return _png(fig)
 
 
+RANKING_COLORS = {
+    "faster": "#2E8B57",
+    "tie": "#9E9E9E",
+    "slower": "#C44E52",
+    "untested": "#8FB3D9",
+    "baseline": "#333333",
+}
+"""The ranked chart's bar colour by verdict against the baseline."""
+
+
+def _ranking_speed(rows: pd.DataFrame) -> tuple[str, str, str, str]:
+    """The figure the ranked chart ranks by: the speed-up with its interval, or samples/s without a baseline."""
+    if rows["speedup_vs_baseline"].notna().any():
+        return "speedup_vs_baseline", "speedup_low", "speedup_high", "speed-up vs baseline (x, 95% interval)"
+    return "samples_per_s", "samples_per_s_low", "samples_per_s_high", "samples/s (steady, 95% interval)"
+
+
+def plot_ranking(summary: Summary) -> bytes | None:
+    """Ok trials ranked by speed-up (interval bars: overlapping bars are ties) beside their peak memory (the budget
+    dashed)."""
+    rows = _measured(summary.trials)
+    if rows.empty:
+        return None
+    key, low_key, high_key, label = _ranking_speed(rows)
+    rows = rows.sort_values(key, ascending=False, na_position="last")
+    fig = _new_figure(11.5, 0.95 + 0.24 * len(rows))
+    speed_ax, memory_ax = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
+    y = list(range(len(rows)))
+    pairs = zip(rows["trial"], rows["verdict"], strict=True)
+    verdicts = ["baseline" if trial == summary.baseline else str(verdict) for trial, verdict in pairs]
+    colors = [RANKING_COLORS.get(v, RANKING_COLORS["untested"]) for v in verdicts]
+    values = rows[key].astype(float)
+    speed_ax.barh(y, values.fillna(0.0), color=colors, height=0.62)
+    low = rows[low_key].astype(float) if low_key in rows else values * float("nan")
+    high = rows[high_key].astype(float) if high_key in rows else values * float("nan")
+    has = low.notna() & high.notna()
+    if has.any():
+        speed_ax.errorbar(values[has], [i for i, h in zip(y, has, strict=True) if h],
+                          xerr=[values[has] - low[has], high[has] - values[has]], fmt="none", ecolor="black",
+                          elinewidth=1, capsize=3)  # fmt: skip
+    if key == "speedup_vs_baseline":
+        speed_ax.axvline(1.0, color="black", linewidth=0.8)
+    speed_ax.set_xlabel(label, fontsize=9)
+    speed_ax.set_yticks(y, rows["trial"].tolist(), fontsize=8)
+    speed_ax.invert_yaxis()
+    memory_ax.barh(y, rows["peak_gib"].astype(float), color="#4C72B0", height=0.62)
+    rec = summary.recommendation
+    if rec.budget_bytes is not None:
+        budget_gib = rec.budget_bytes / GIB
+        if budget_gib <= 1.5 * float(rows["peak_gib"].max()):
+            memory_ax.axvline(budget_gib, color="#C44E52", linestyle="--", linewidth=1.2)
+            memory_ax.text(budget_gib, -0.7, f" budget {budget_gib:.3g} GiB", fontsize=8, color="#C44E52")
+    memory_ax.set_xlabel("peak memory (GiB, max over ranks)", fontsize=9)
+    for ax in (speed_ax, memory_ax):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    handles = [_patch(color, name) for name, color in RANKING_COLORS.items() if name in verdicts]
+    speed_ax.legend(handles=handles, fontsize=7, loc="lower right")
+    return _png(fig)
+
+
+def _patch(color: str, label: str) -> Any:
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
+
+
 def plot_breakdown(summary: Summary) -> bytes | None:
     rows = summary.trials[summary.trials["weights_gib"].notna()]
     if rows.empty:
@@ -229,6 +296,13 @@ def report_figures(summary: Summary) -> list[Figure]:
     """The report's plots that have something to show, in report order."""
     made = [
         (
+            RANKING_FIGURE,
+            "Speed-up and peak memory",
+            plot_ranking,
+            "Ok trials, fastest first: the speed-up against the baseline with its 95% interval (Dunnett; bars that "
+            "overlap 1 are ties), coloured by verdict, beside each trial's peak memory and the budget (dashed).",
+        ),
+        (
             "report_pareto.png",
             "Peak memory against throughput",
             plot_pareto,
@@ -286,5 +360,6 @@ __all__ = [
     "plot_compare",
     "plot_loss",
     "plot_pareto",
+    "plot_ranking",
     "report_figures",
 ]

@@ -7,13 +7,11 @@ resolves to nothing), so the report must carry everything it shows.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.browser import run_chromium
 from helpers.report import ENV, constructed_rows, write_run
 
 from hfscale import report
@@ -33,36 +31,6 @@ window.addEventListener("load", () => {
 </script>"""
 
 
-def _chromium() -> str:
-    candidates = [os.environ.get("CHROMIUM_PATH", "")]
-    candidates += [shutil.which(n) or "" for n in ("chromium", "chromium-browser", "google-chrome", "chrome")]
-    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-    if found is None:
-        pytest.skip("headless Chromium not found: apt-get install -y chromium, or set CHROMIUM_PATH")
-    return found
-
-
-def _run_chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
-    cmd = [
-        _chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--host-resolver-rules=MAP * ~NOTFOUND",
-        f"--user-data-dir={profile}",
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
-
-
 @pytest.fixture
 def html_report(tmp_path: Path) -> report.ReportPaths:
     return report.write_report(write_run(tmp_path / "run", constructed_rows(), ENV), memory_budget_bytes=5 * 2**30)
@@ -74,15 +42,16 @@ def test_report_renders_and_its_images_load(html_report: report.ReportPaths, tmp
     control = '<img id="control" alt="" src="data:image/png;base64,iVBORw0KGgoAAAAAAAA">'
     page = html_report.html.read_text(encoding="utf-8")
     probed.write_text(page.replace("</body>", control + PROBE + "</body>"), encoding="utf-8")
-    dom = _run_chromium(tmp_path, "--dump-dom", probed.as_uri()).stdout
+    dom = run_chromium(tmp_path, "--dump-dom", probed.as_uri()).stdout
     attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', dom.split("<body", 1)[1].split(">", 1)[0]))
     n_figures = len(html_report.figures)
-    assert n_figures == 3
+    assert n_figures == 4
     assert attrs["images"] == str(n_figures + 1), attrs
     assert attrs["loaded"] == str(n_figures), attrs
-    # Decoded at the size they were drawn (8 in wide at 100 dpi); the control is last and did not decode.
-    widths = attrs["widths"].split(",")
-    assert all(w.split("x")[0] == "800" for w in widths[:-1]) and widths[-1] == "0x0", attrs
+    # Decoded at the size they were drawn (the ranked chart 11.5 in wide, the others 8 in, at 100 dpi); the control
+    # is last and did not decode.
+    widths = [w.split("x")[0] for w in attrs["widths"].split(",")]
+    assert widths == ["1150", "800", "800", "800", "0"], attrs
     assert int(attrs["rows"]) == len(constructed_rows())
     assert int(attrs["page-height"]) > 2000
 
@@ -91,7 +60,7 @@ def test_report_screenshot_is_not_blank(html_report: report.ReportPaths, tmp_pat
     image_mod = pytest.importorskip("PIL.Image")
     np = pytest.importorskip("numpy")
     shot = tmp_path / "report.png"
-    _run_chromium(
+    run_chromium(
         tmp_path, "--hide-scrollbars", "--window-size=1400,9000", f"--screenshot={shot}", html_report.html.as_uri()
     )
     with image_mod.open(shot) as img:

@@ -164,7 +164,7 @@ def test_rows_without_step_times_get_no_invented_interval(tmp_path: Path) -> Non
     assert frame[["samples_per_s_low", "samples_per_s_high", "speedup_low", "speedup_high"]].isna().all().all()
     assert list(frame["verdict"]) == ["baseline", "tie", "untested"]
     md = report.write_report(run).markdown.read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
+    table = {r["trial"]: r for r in md_table(md, "All measurements")}
     assert table["close"]["samples/s 95% interval"] == "single run, no interval"
     assert table["close"]["speed-up vs baseline (x)"] == "≈ 1.01" and table["far"]["speed-up vs baseline (x)"] == "1.20"
     assert "No trial ran twice, so the run-to-run noise is unknown" in md
@@ -235,7 +235,7 @@ def test_energy_and_cost_are_shown_only_where_measured(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", rows, ENV)
     assert report_command.main([str(run), "--price-per-hour", "2.5"]) == 0
     md = (run / "report.md").read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
+    table = {r["trial"]: r for r in md_table(md, "All measurements")}
     assert table["base"]["energy per run (J)"] == "5000" and table["other"]["energy per run (J)"] == "—"
     assert "2.5 per device-hour" in md and table["base"]["cost per M tokens"] != "—"
 

@@ -37,6 +37,7 @@ def test_labels_of_close_points_do_not_overprint() -> None:
 
 def test_report_figures_are_pngs() -> None:
     figures = report_figures(report.summarize(constructed_rows(), environment=ENV))
-    assert [f.name for f in figures] == ["report_pareto.png", "report_memory.png", "report_loss.png"]
+    names = ["report_ranking.png", "report_pareto.png", "report_memory.png", "report_loss.png"]
+    assert [f.name for f in figures] == names
     assert all(f.png.startswith(b"\x89PNG\r\n\x1a\n") for f in figures)
     assert report_figures(report.summarize([])) == []

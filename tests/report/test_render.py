@@ -33,7 +33,7 @@ def run(tmp_path: Path) -> Path:
 def test_markdown_html_and_csv_hold_the_same_trials_and_numbers(run: Path) -> None:
     paths = report.write_report(run, memory_budget_bytes=5 * GIB)
     frame = report.load_run(run, memory_budget_bytes=5 * GIB)
-    table = md_table(paths.markdown.read_text(encoding="utf-8"), "Trials")
+    table = md_table(paths.markdown.read_text(encoding="utf-8"), "All measurements")
     assert [r["trial"] for r in table] == list(frame.index)
     for cells in table:
         row = frame.loc[cells["trial"]]
@@ -56,7 +56,7 @@ def test_markdown_html_and_csv_hold_the_same_trials_and_numbers(run: Path) -> No
 def test_numeric_alignment_comes_from_the_column_declaration(run: Path) -> None:
     paths = report.write_report(run)
     md = paths.markdown.read_text(encoding="utf-8")
-    header = next(line for line in md.split("## Trials\n", 1)[1].splitlines() if line.startswith("|"))
+    header = next(line for line in md.split("## All measurements\n", 1)[1].splitlines() if line.startswith("|"))
     separator = md.split(header + "\n", 1)[1].splitlines()[0]
     headers = [h.strip() for h in header.strip("|").split("|")]
     aligns = dict(zip(headers, separator.strip("|").split("|"), strict=True))
@@ -73,7 +73,7 @@ def test_numeric_alignment_comes_from_the_column_declaration(run: Path) -> None:
 def test_failed_trials_are_shown_with_status_and_escaped_reason(run: Path) -> None:
     paths = report.write_report(run)
     md, page = paths.markdown.read_text(encoding="utf-8"), paths.html.read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
+    table = {r["trial"]: r for r in md_table(md, "All measurements")}
     for row in constructed_rows():
         if row.status == "ok":
             continue
@@ -88,7 +88,7 @@ def test_recommendation_is_bold_in_both_formats_and_flagged_notes_show(run: Path
     paths = report.write_report(run, memory_budget_bytes=5 * GIB)
     assert "Fastest within 5 GiB per device (--memory-budget): **zero3**" in paths.markdown.read_text()
     assert "Fastest within 5 GiB per device (--memory-budget): <strong>zero3</strong>" in paths.html.read_text()
-    notes = {r["trial"]: r["notes"] for r in md_table(paths.markdown.read_text(), "Trials")}
+    notes = {r["trial"]: r["notes"] for r in md_table(paths.markdown.read_text(), "All measurements")}
     assert notes["zero3"] == "Pareto; fastest that fits; least memory; loss parity ok"
 
 
@@ -102,7 +102,7 @@ def test_environment_header_is_on_every_report(run: Path, tmp_path: Path) -> Non
         "libraries": "hfscale 0.1.0, torch 2.6.0, transformers 4.56.0",  # bitsandbytes: not installed
         "commit": "abc1234def56",
     }
-    top = md.split("## Trials", 1)[0]
+    top = md.split("## All measurements", 1)[0]
     for key, value in header.items():
         assert f"| {key} | {value} |" in top
         assert f"<td>{key}</td><td>{html.escape(value)}</td>" in page
@@ -136,8 +136,10 @@ def test_committed_runs_rerender_with_the_same_numbers(name: str, tmp_path: Path
     fresh = report.write_report(REPO / "results" / name, out_dir=tmp_path).markdown.read_text(encoding="utf-8")
     number = re.compile(r"^-?\d+(\.\d+)?$")
     compared = 0
-    for heading in ("Trials", "Memory"):
-        for old, new in zip(md_table(committed, heading), md_table(fresh, heading), strict=True):
+    # The full table was "Trials" before the slim table took that name (0.4).
+    full = "All measurements" if "## All measurements" in committed else "Trials"
+    for old_heading, heading in ((full, "All measurements"), ("Memory", "Memory")):
+        for old, new in zip(md_table(committed, old_heading), md_table(fresh, heading), strict=True):
             for key, value in old.items():
                 if not number.match(value):
                     continue
@@ -160,7 +162,7 @@ def test_report_of_the_shared_tiny_sweep(tiny_sweep_run: Path, tmp_path: Path) -
     paths = report.write_report(run)
     rows = report.summarize_run(run).trials
     md = paths.markdown.read_text(encoding="utf-8")
-    table = {r["trial"]: r for r in md_table(md, "Trials")}
+    table = {r["trial"]: r for r in md_table(md, "All measurements")}
     assert set(table) == set(rows.index)
     for name, row in rows.iterrows():
         if row["status"] == "ok":

@@ -1,0 +1,149 @@
+"""The report's first sentence: the strategy to use and why, or why none and what would decide it.
+
+Everything in it is read from the analysis: the recommendation, the speed-up with its interval and verdict, the
+peak against the budget. When nothing can be recommended on speed because the runs cannot rank the trials (one run
+each, or trials that may be unstable), it says how many runs per trial would, and about how long they take at the
+run's own measured cost per run (the median wall time of its ok rows, launch to exit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from hfscale.report.columns import is_missing
+from hfscale.report.machine import format_bytes
+from hfscale.report.text import Span, Text, rich
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from hfscale.report.analysis import Summary
+
+MIN_RUNS = 3
+"""Runs per trial the advice asks for at least: two give a noise estimate with one degree of freedom per trial,
+three the shortest that a sequential ``target_precision`` stops at."""
+MAX_RUNS = 20
+"""More runs than this per trial: the difference is too small to chase; the advice says so instead."""
+Z = 2.5
+"""About the two-sided multiplier of a 95% interval shared by a handful of comparisons (Dunnett's for 5-20 trials
+lies between 2.4 and 2.9): what the advice sizes the runs with."""
+
+
+def _speedup_phrase(row: pd.Series, baseline: str | None) -> str:
+    if baseline is None:
+        return "no baseline finished ok, so there is no speed-up"
+    if row["trial"] == baseline:
+        return "the baseline itself"
+    value, verdict = row.get("speedup_vs_baseline"), row.get("verdict")
+    if is_missing(value):
+        return "no speed-up measured"
+    low, high = row.get("speedup_low"), row.get("speedup_high")
+    interval = "" if is_missing(low) or is_missing(high) else f", 95% interval {low:.2f}–{high:.2f}"
+    if verdict == "faster":
+        return f"{value:.2f}x the baseline's samples/s{interval}"
+    if verdict == "tie":
+        return f"as fast as the baseline within the noise ({value:.2f}x{interval})"
+    if verdict == "slower":
+        return f"{value:.2f}x the baseline's samples/s, slower{interval}"
+    why = row.get("verdict_reason")
+    return f"{value:.2f}x the baseline's samples/s, untested" + ("" if is_missing(why) else f" ({why})")
+
+
+def _budget_phrase(summary: Summary, row: pd.Series) -> str:
+    rec = summary.recommendation
+    kind = "reserved" if not is_missing(row.get("peak_reserved_gib")) else "measured"
+    fit = f"a peak of {row['fit_gib']:.3g} GiB ({kind})"
+    if rec.budget_bytes is None:
+        return f"needs {fit}; no memory budget was given"
+    return f"needs {fit} of the {format_bytes(rec.budget_bytes)} budget ({rec.budget_source})"
+
+
+def _recommended(summary: Summary) -> Text:
+    rec = summary.recommendation
+    row = summary.trials.loc[rec.fastest]
+    ties = f"; it ties on speed with {', '.join(rec.fastest_ties)}" if rec.fastest_ties else ""
+    sentence = rich(
+        "Use **{name}** ({desc}): {speedup}, and it {budget}{ties}.",
+        name=rec.fastest,
+        desc=row["description"],
+        speedup=_speedup_phrase(row, summary.baseline),
+        budget=_budget_phrase(summary, row),
+        ties=ties,
+    )
+    if summary.speed.noise.df >= 1:
+        return sentence
+    return sentence + _advice(summary, "No trial ran twice, so the ranking is untested: to test it")
+
+
+def runs_to_decide(summary: Summary) -> int | None:
+    """Runs per trial that would rank the two fastest candidates: ``2 (Z sd / d)^2`` for a difference ``d`` of log
+    samples/s and the sweep's pooled run noise ``sd`` (at least :data:`MIN_RUNS`); :data:`MIN_RUNS` when the noise
+    is unknown (no trial ran twice); None when even :data:`MAX_RUNS` would not (a difference too small to chase)."""
+    noise = summary.speed.noise
+    ok = summary.trials[(summary.trials["status"] == "ok") & summary.trials["samples_per_s"].notna()]
+    if noise.df < 1 or len(ok) < 2:
+        return MIN_RUNS
+    top = ok["samples_per_s"].sort_values(ascending=False).to_numpy()
+    gap = math.log(top[0] / top[1])
+    if gap <= 0:
+        return None
+    runs = max(MIN_RUNS, math.ceil(2 * (Z * noise.sd / gap) ** 2))
+    return runs if runs <= MAX_RUNS else None
+
+
+def _cost_phrase(summary: Summary, runs: int) -> str:
+    """About how long ``runs`` runs of every trial take beyond the runs already done, at the measured cost per run."""
+    frame = summary.trials
+    ok = frame[(frame["status"] == "ok") & frame["wall_time_s"].notna()]
+    if ok.empty:
+        return ""
+    per_run = float(ok["wall_time_s"].median())
+    done = frame["repeats_n"].fillna(1) if "repeats_n" in frame else frame["status"].map(lambda _: 1)
+    more = float(sum(max(0, runs - int(n)) for n in done))
+    if more <= 0:
+        return ""
+    minutes = more * per_run / 60
+    return f", about {minutes:.0f} more minutes at this sweep's {per_run:.0f} s per run (median wall time)"
+
+
+def _undecided(summary: Summary) -> Text:
+    rec = summary.recommendation
+    why = rec.lines[0] if rec.lines else rich("No trial is recommended.")
+    frame = summary.trials
+    if frame.empty or not (frame["status"] == "ok").any():
+        return why + rich(" Nothing to rank: see the trials that did not finish ok below.")
+    unstable = bool(frame["unstable"].fillna(False).astype(bool).any()) if "unstable" in frame else False
+    if rec.most_frugal is not None and not unstable and summary.speed.noise.df >= 1:
+        return why
+    runs = runs_to_decide(summary)
+    if runs is None:
+        advice = (
+            "The fastest two differ by less than more runs could resolve here: treat them as equal, or rerun on an "
+            "idle machine."
+        )
+        return (*why, Span(" " + advice))
+    idle = " on an idle machine (busy cores or GPUs flag a run as may be unstable)" if unstable else ""
+    return why + _advice(summary, "To decide", idle)
+
+
+def _advice(summary: Summary, lead: str, idle: str = "") -> Text:
+    """`` LEAD, run each trial N times (how) and about how long that takes.``"""
+    runs = runs_to_decide(summary) or MIN_RUNS
+    return rich(
+        " {lead}, run each trial {runs} times{idle} (`measure: {{repeats: {runs}}}`, or `--repeats {runs}`){cost}.",
+        lead=lead,
+        runs=runs,
+        idle=idle,
+        cost=_cost_phrase(summary, runs),
+    )
+
+
+def answer(summary: Summary) -> Text:
+    """One sentence (two where the advice needs them) that answers the report's question."""
+    if summary.recommendation.fastest is not None:
+        return _recommended(summary)
+    return _undecided(summary)
+
+
+__all__ = ["answer", "runs_to_decide"]

@@ -1,0 +1,113 @@
+"""The report's first screen: the answer sentence, the ranked chart, the slim table with its badges, and the
+definitions folded at the end."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers.report import ENV, constructed_rows, md_table, noisy_steps, ok_row, with_steps, write_run
+
+from hfscale import report
+from hfscale.core.units import GIB
+from hfscale.records.activity import MachineActivity
+from hfscale.report.answer import MIN_RUNS, answer, runs_to_decide
+from hfscale.report.text import as_plain
+from hfscale.strategy import Strategy
+
+BASE = Strategy(name="base")
+CPU_HOG = MachineActivity(
+    samples=20,
+    duration_s=20.0,
+    cpu_count=2,
+    other_cores_mean=0.95,
+    other_cores_max=1.0,
+    busy_processes=["stress (4242): 95% of a core"],
+)
+
+
+def _runs(name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, **kw) -> list:
+    """``runs`` runs of one trial, their means 1% apart (run-to-run drift)."""
+    strategy = BASE.replace(name=name)
+    return [
+        with_steps(
+            ok_row(name, strategy, 8 / mean_s, peak, **kw),
+            noisy_steps(mean_s * (1 + 0.01 * k), 40, seed=seed + 10 * k),
+            repeat=k,
+            repeats=runs,
+        )
+        for k in range(runs)
+    ]
+
+
+def test_one_run_each_names_the_choice_its_budget_and_the_runs_that_would_test_it() -> None:
+    summary = report.summarize(constructed_rows(), environment=ENV, memory_budget_bytes=5 * GIB)
+    text = as_plain(answer(summary))
+    assert text.startswith("Use zero3 (fp32, default optimizer, ZeRO-3"), text
+    assert "1.20x the baseline's samples/s, untested" in text and "of the 5 GiB budget" in text
+    assert "No trial ran twice, so the ranking is untested: to test it, run each trial 3 times" in text
+    assert "`--repeats 3`" not in text and "--repeats 3" in text  # plain text: the code marks are gone
+
+
+def test_a_clear_winner_is_named_with_its_interval_and_no_advice() -> None:
+    rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("fast", 0.05, seed=2, peak=3.0)]
+    text = as_plain(answer(report.summarize(rows, memory_budget_bytes=80 * GIB)))
+    assert re.match(r"Use fast \(.*\): 2\.\d\dx the baseline's samples/s, 95% interval \d\.\d\d–\d\.\d\d", text), text
+    assert "run each trial" not in text
+
+
+def test_a_disturbed_fastest_trial_gives_no_choice_and_says_how_to_decide() -> None:
+    rows = [
+        *_runs("base", 0.10, seed=1, is_baseline=True),
+        *_runs("hogged", 0.05, seed=2, activity=CPU_HOG),
+        *_runs("steady", 0.09, seed=3),
+    ]
+    summary = report.summarize(rows)
+    assert summary.recommendation.fastest is None
+    text = as_plain(answer(summary))
+    assert text.startswith("No trial is recommended on speed"), text
+    assert "on an idle machine" in text and re.search(r"run each trial \d+ times", text), text
+
+
+def test_runs_to_decide_grows_as_the_gap_shrinks_and_gives_up_on_no_gap() -> None:
+    def runs(gap: float) -> int | None:
+        rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("b", 0.10 / (1 + gap), seed=2)]
+        return runs_to_decide(report.summarize(rows))
+
+    # The pooled run noise of these runs is 0.6% of a run's samples/s: 2 (2.5 x 0.6 / 1)^2 = 4.7 runs for a 1% gap.
+    assert runs(0.20) == runs(0.03) == MIN_RUNS
+    assert MIN_RUNS < runs(0.01) < runs(0.007) <= 20
+    assert runs(0.004) is None and runs(0.0) is None
+    single = report.summarize(constructed_rows())
+    assert single.speed.noise.df < 1 and runs_to_decide(single) == MIN_RUNS
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> report.ReportPaths:
+    return report.write_report(write_run(tmp_path / "run", constructed_rows(), ENV), memory_budget_bytes=5 * 2**30)
+
+
+def test_first_screen_order_slim_table_badges_and_folded_definitions(written: report.ReportPaths) -> None:
+    md, page = written.markdown.read_text(encoding="utf-8"), written.html.read_text(encoding="utf-8")
+    headings = re.findall(r"^## (.+)$", md, flags=re.M)
+    assert headings[:4] == ["Answer", "Speed-up and peak memory", "Trials", "Recommendation"]
+    assert headings[-1] == "Definitions" and "All measurements" in headings
+    slim = {r["trial"]: r for r in md_table(md, "Trials")}
+    assert list(next(iter(slim.values()))) == [
+        "trial", "strategy", "samples/s (95% interval)", "speed-up vs baseline (x)", "peak memory (GiB)",
+        "fits budget", "MFU (%)", "status and flags",
+    ]  # fmt: skip
+    assert slim["zero3"]["status and flags"].startswith("ok; recommended: the fastest trial that fits the budget")
+    assert slim["big_batch"]["status and flags"].startswith("oom: CUDA out of memory")
+    assert (slim["zero3"]["fits budget"], slim["baseline"]["fits budget"]) == ("yes", "no")
+    assert slim["bf16"]["speed-up vs baseline (x)"] == "1.50 untested"
+    # HTML: the answer first in its own section, definitions on the slim headers, badges fold their reasons.
+    order = [page.index(f'<section id="{anchor}">') for anchor in ("answer", "ranking", "trials", "measurements")]
+    assert order == sorted(order)
+    header = r'<th[^>]* title="Steady-state samples/s of all processes[^"]*">samples/s \(95% interval\)</th>'
+    assert re.search(header, page)
+    assert '<details class="badge"><summary>oom</summary>CUDA out of memory' in page
+    definitions = page.split('<section id="definitions">', 1)[1].split("</section>", 1)[0]
+    assert "<details><summary>what each column of the trials tables means</summary>" in definitions
+    assert definitions.count("<li>") >= 10
