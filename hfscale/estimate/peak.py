@@ -47,6 +47,11 @@ def estimate_memory(
     """
     if isinstance(spec_or_model, TrialSpec):
         spec = spec_or_model
+        if spec.script is not None:
+            raise ValueError(
+                f"the trial runs the script {spec.script.command_line()}, which builds its own model: there is "
+                "nothing to estimate without running it"
+            )
         strategy = strategy or spec.strategy
         data = data or spec.data
         seq_len = seq_len or spec.data.seq_len

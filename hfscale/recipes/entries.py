@@ -27,7 +27,7 @@ _NESTED: dict[str, type] = {
     "parallelism": ParallelismSpec,
 }
 # A trial entry is Strategy fields plus these per-trial overrides; `device` is the recipe's.
-_TRIAL_EXTRAS = ("measure", "run", "training_args", "batch")
+_TRIAL_EXTRAS = ("measure", "run", "training_args", "batch", "script_args")
 
 
 def _strategy_field_type(dotted: str, path: str, *, also_valid: tuple[str, ...] = ()) -> Any:
@@ -174,6 +174,8 @@ class TrialEntry:
     """Its ``training_args:`` overrides, likewise."""
     batch: BatchMode | None = None
     """Its own ``batch:``, else None (the recipe's ``sweep.batch``)."""
+    script_args: tuple[str, ...] = ()
+    """Arguments added after ``workload.args`` for this trial's run of the user's script."""
 
 
 def trial_entries(raw_trials: Any) -> list[TrialEntry]:
@@ -194,6 +196,7 @@ def trial_entries(raw_trials: Any) -> list[TrialEntry]:
             convert(str, trial_name, join_path(path, "name"))
         overrides = {key: raw.pop(key, None) or {} for key in ("measure", "run", "training_args")}
         batch = convert(BatchMode, raw.pop("batch"), join_path(path, "batch")) if "batch" in raw else None
+        script_args = tuple(convert(list[str], raw.pop("script_args", None) or [], join_path(path, "script_args")))
         for key, over in overrides.items():
             if not isinstance(over, dict):
                 raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")
@@ -207,6 +210,7 @@ def trial_entries(raw_trials: Any) -> list[TrialEntry]:
                 run=overrides["run"],
                 training_args=overrides["training_args"],
                 batch=batch,
+                script_args=script_args,
             )
         )
     return entries

@@ -75,9 +75,10 @@ from hfscale.recipes.schema import (
     ShippedRecipe,
     SweepOptions,
 )
+from hfscale.recipes.workload import check_script_trial, parse_workload
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
-from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
+from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, ScriptSpec, TrialSpec
 
 _TOP_KEYS = (
     "name",
@@ -93,6 +94,7 @@ _TOP_KEYS = (
     "defaults",
     "trials",
     "matrix",
+    "workload",
 )
 
 
@@ -180,6 +182,7 @@ class _Shared:
     run_raw: dict[str, Any]
     defaults: dict[str, Any]
     batch: BatchMode
+    script: ScriptSpec | None = None
 
 
 def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
@@ -192,7 +195,9 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     device = convert(field_types(Recipe)["device"], data.get("device", "cuda"), "device")
     model = build(ModelSpec, data.get("model") or {}, "model")
     data_spec = build(DataSpec, data.get("data") or {}, "data")
-    check_model(model, data_spec)
+    script = parse_workload(data, source)
+    if script is None:
+        check_model(model, data_spec)
     measure_raw = data.get("measure") or {}
     measure = build(MeasureSpec, measure_raw, "measure")
     check_measure(measure, "measure")
@@ -213,7 +218,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
         raise Invalid("", "no trials: give a `trials:` list and/or a `matrix:` of strategy axes")
     shared = _Shared(
         device=device, model=model, data=data_spec, training_args=training_args, measure_raw=measure_raw,
-        run_raw=run_raw, defaults=undot(defaults), batch=sweep.batch,
+        run_raw=run_raw, defaults=undot(defaults), batch=sweep.batch, script=script,
     )  # fmt: skip
     seen: dict[str, str] = {}
     for entry in entries:
@@ -250,10 +255,15 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     merged = merge_fields(shared.defaults, entry.fields)
     pinned = frozenset(k for k in ("num_processes", "num_machines") if k in merged)
     strategy = build(Strategy, {**merged, "name": entry.name}, path, device=shared.device)
-    check_tensor_parallel(shared.model, shared.data, strategy, path)  # needs the model: a tp plan
-    check_liger(strategy, shared.model, path)
-    check_lora(strategy, shared.model, path)
-    check_batch_fits_data(strategy, shared.data, path)
+    if shared.script is None:
+        check_tensor_parallel(shared.model, shared.data, strategy, path)  # needs the model: a tp plan
+        check_liger(strategy, shared.model, path)
+        check_lora(strategy, shared.model, path)
+        check_batch_fits_data(strategy, shared.data, path)
+        if entry.script_args:
+            raise Invalid(join_path(path, "script_args"), "only with workload.script (the recipe runs no script)")
+    else:
+        check_script_trial(strategy, entry.batch or shared.batch, path)
     args_over = (
         check_training_args(entry.training_args, join_path(path, "training_args")) if entry.training_args else {}
     )
@@ -270,9 +280,14 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
         data=shared.data,
         training_args={**shared.training_args, **args_over},
         measure=trial_measure,
+        script=_trial_script(shared.script, entry.script_args),
     )
     batch = entry.batch or shared.batch
     return RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch)
+
+
+def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSpec | None:
+    return None if script is None else ScriptSpec(path=script.path, args=(*script.args, *extra))
 
 
 def _check_names(trials: list[RecipeTrial], baseline: str) -> None:

@@ -47,7 +47,7 @@ def _speedup_phrase(row: pd.Series, baseline: str | None) -> str:
     if verdict == "slower":
         return f"{value:.2f}x the baseline's samples/s, slower{interval}"
     why = row.get("verdict_reason")
-    return f"{value:.2f}x the baseline's samples/s, untested" + ("" if is_missing(why) else f" ({why})")
+    return f"{value:.2f}x the baseline's samples/s, untested" + ("" if is_missing(why) else f": {why}")
 
 
 def _budget_phrase(summary: Summary, row: pd.Series) -> str:

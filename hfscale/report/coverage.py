@@ -50,6 +50,9 @@ class Coverage:
     """Trials with rows the recipe does not define (a recipe edited after the run)."""
     recipe_error: str | None = None
     """Why the recipe could not be read, if it could not."""
+    workload: str | None = None
+    """The user's script the recipe runs, with its arguments as written (``hf_example.py --bf16``); None when the
+    trials train the model and data hfscale builds."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -102,6 +105,20 @@ def progress(trial_dir: Path) -> str:
     return got
 
 
+def recipe_workload(path: Path) -> str | None:
+    """The script a recipe copy runs, as written (:attr:`Coverage.workload`); read without validating."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    raw = data.get("workload") if isinstance(data, dict) else None
+    if not isinstance(raw, dict) or not raw.get("script"):
+        return None
+    return " ".join([Path(str(raw["script"])).name, *(str(a) for a in raw.get("args") or [])])
+
+
 def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
     """The run's coverage of its recipe (see :class:`Coverage`)."""
     # The names only: validating the recipe would build each model's config (transformers, torch: seconds).
@@ -134,7 +151,8 @@ def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
         # A max-batch row (sweep.batch: both|max) is its recipe trial's, at another batch.
         not_in_recipe=tuple(n for n in have if names and n not in names and max_batch_base(n) not in names),
         recipe_error=error,
+        workload=recipe_workload(folder.recipe_path),
     )
 
 
-__all__ = ["Coverage", "Interrupted", "coverage", "progress"]
+__all__ = ["Coverage", "Interrupted", "coverage", "progress", "recipe_workload"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from hfscale.trial.train import main
+from hfscale.trial.entry import main
 
 sys.exit(main())

@@ -36,7 +36,6 @@ so that the sweep can classify out-of-memory and crashes from the exit code and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -47,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hfscale.configs import DEEPSPEED_FILE, TRAINING_ARGS_FILE
+from hfscale.configs import DEEPSPEED_FILE
 from hfscale.core.files import utc_from_epoch, write_atomic
 from hfscale.core.imports import leave_out_peft
 from hfscale.records.row import TrialOutcome, to_json_text
@@ -115,12 +114,7 @@ def merge_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dic
         merged["dataloader_pin_memory"] = False  # pinning needs a CUDA runtime
     merged |= spec.training_args
     merged |= strategy_kwargs
-    owned = dict(RUNNER_TRAINING_ARGS)
-    owned["seed"] = int(spec.training_args.get("seed", DEFAULT_SEED))
-    if spec.measure.max_steps is not None:
-        owned |= {"max_steps": spec.measure.max_steps}
-    else:
-        owned |= {"max_steps": -1, "num_train_epochs": spec.measure.num_epochs}
+    owned = runner_training_args(spec) | {"seed": int(spec.training_args.get("seed", DEFAULT_SEED))}
     for key, value in owned.items():
         if key in spec.training_args and spec.training_args[key] != value:
             logger.warning(
@@ -129,6 +123,13 @@ def merge_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dic
     merged |= owned
     merged.pop("output_dir", None)
     return merged
+
+
+def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
+    """What the runner sets over everything: :data:`RUNNER_TRAINING_ARGS` and the step count of ``spec.measure``."""
+    steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
+        "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
+    return dict(RUNNER_TRAINING_ARGS) | steps
 
 
 def fsdp_block_classes(model: PreTrainedModel) -> list[str]:
@@ -162,7 +163,7 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
         logger.info("FSDP wraps %s (the model's blocks)", ", ".join(blocks))
 
 
-def _process_start_time() -> float:
+def process_start_time() -> float:
     try:
         import psutil
 
@@ -172,7 +173,7 @@ def _process_start_time() -> float:
 
 
 @dataclass
-class _Trial:
+class BuiltTrial:
     """A built Trainer and what the runner reads from it after training."""
 
     trainer: Trainer
@@ -210,7 +211,7 @@ def run_trial(
         Whatever training raises (out of memory, a library refusing the configuration): the sweep classifies it.
     """
     timer = PhaseTimer(process_start)
-    _import_training_stack()
+    import_training_stack()
     timer.lap("imports")
     scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
     try:
@@ -219,7 +220,7 @@ def run_trial(
         kwargs = merge_training_args(spec, strategy_kwargs)
         trial = _build_trial(spec, kwargs, scratch, timer)
         output = _train(trial, timer)
-        outcome = _outcome(spec, trial, output, kwargs, timer)
+        outcome = trial_outcome(spec, trial, output, kwargs, timer)
         if result_path is not None and trial.trainer.is_world_process_zero():
             write_outcome(outcome, result_path)
         # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
@@ -232,7 +233,7 @@ def run_trial(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _import_training_stack() -> None:
+def import_training_stack() -> None:
     """Import what training needs, so that its cost (seconds: the Trainer pulls in torch's compiler stack) is the
     ``imports`` phase rather than part of the first phase that needs it."""
     import torch  # noqa: F401
@@ -256,7 +257,7 @@ def _build_model(spec: TrialSpec, scratch: str) -> Any:
     return model
 
 
-def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: PhaseTimer) -> _Trial:
+def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: PhaseTimer) -> BuiltTrial:
     """The model, the data, ``TrainingArguments`` and the Trainer with hfscale's callbacks, each phase timed."""
     import transformers
     from transformers import Trainer, TrainingArguments
@@ -290,10 +291,10 @@ def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: P
     # Bound explicitly: the callbacks never search the call stack for their Trainer.
     attach(trainer, memory_cb, throughput_cb, verify_cb)
     timer.lap("trainer_init")
-    return _Trial(trainer, memory_cb, throughput_cb, verify_cb, phase_clock, recorder)
+    return BuiltTrial(trainer, memory_cb, throughput_cb, verify_cb, phase_clock, recorder)
 
 
-def _train(trial: _Trial, timer: PhaseTimer) -> TrainOutput:
+def _train(trial: BuiltTrial, timer: PhaseTimer) -> TrainOutput:
     """``trainer.train()``, timed as a whole and split into set-up and loop at the first step."""
     train_call_start = timer.last
     output = trial.trainer.train()
@@ -306,8 +307,8 @@ def _train(trial: _Trial, timer: PhaseTimer) -> TrainOutput:
     return output
 
 
-def _outcome(
-    spec: TrialSpec, trial: _Trial, output: TrainOutput, kwargs: dict[str, Any], timer: PhaseTimer
+def trial_outcome(
+    spec: TrialSpec, trial: BuiltTrial, output: TrainOutput, kwargs: dict[str, Any], timer: PhaseTimer
 ) -> TrialOutcome:
     """The outcome of a trained trial: ``not_applied`` when the verification found mismatches, else ``ok``.
 
@@ -355,33 +356,6 @@ def read_outcome(path: str | os.PathLike[str]) -> TrialOutcome:
     return TrialOutcome.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m hfscale.trial",
-        description="Run one trial (one rank of it): train, verify what ran, write the result (main process).",
-        epilog="Launched by the sweep as: accelerate launch --config_file accelerate.yaml -m hfscale.trial "
-        "SPEC.json --result RESULT.json. Exit 0: result written (status ok or not_applied); non-zero: training "
-        "raised (traceback on stderr); 2: usage error.",
-    )
-    parser.add_argument("spec", type=Path, help="the TrialSpec JSON (TrialSpec.write)")
-    parser.add_argument("--result", type=Path, default=None, help="where the main process writes the result JSON")
-    parser.add_argument(
-        "--training-args",
-        type=Path,
-        default=None,
-        help=f"the strategy's TrainingArguments keywords (JSON); default: {TRAINING_ARGS_FILE} next to the spec, "
-        "else computed from the spec's strategy",
-    )
-    parser.add_argument(
-        "--log-level",
-        type=str.upper,
-        default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="logging level of hfscale (default WARNING)",
-    )
-    return parser
-
-
 def leave_out_peft_unless_used(spec: TrialSpec) -> bool:
     """:func:`~hfscale.core.imports.leave_out_peft` in a trial that trains no LoRA (the Trainer uses peft only to ask
     whether a model is a peft model, which a trial's model is only under ``strategy.lora``); returns whether it was
@@ -389,34 +363,3 @@ def leave_out_peft_unless_used(spec: TrialSpec) -> bool:
     if spec.strategy.lora is not None:
         return False
     return leave_out_peft()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hfscale.trial``; returns the exit status."""
-    process_start = _process_start_time()
-    from hfscale.trial.watchdog import watch_driver
-
-    watch_driver()  # a trial never outlives the sweep that started it (its whole group is killed when it dies)
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("hfscale").setLevel(args.log_level)
-    try:
-        spec = TrialSpec.read(args.spec)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        parser.error(f"{args.spec}: not a readable trial spec ({type(exc).__name__}: {exc})")
-    leave_out_peft_unless_used(spec)
-    ta_path = args.training_args
-    if ta_path is None and (args.spec.parent / TRAINING_ARGS_FILE).is_file():
-        ta_path = args.spec.parent / TRAINING_ARGS_FILE
-    strategy_kwargs = None
-    if ta_path is not None:
-        try:
-            strategy_kwargs = json.loads(ta_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            parser.error(f"{ta_path}: not readable TrainingArguments JSON ({exc})")
-        logger.info("strategy TrainingArguments from %s", ta_path)
-    run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
-    return 0

@@ -87,6 +87,21 @@ class MeasureSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScriptSpec:
+    """The user's own training script, run unmodified in place of hfscale's model and data
+    (:mod:`hfscale.trial.script` says how the strategy and the measurement reach it)."""
+
+    path: str
+    """The script, an absolute path (a recipe's relative path is resolved against the recipe's folder)."""
+    args: tuple[str, ...] = ()
+    """Its command-line arguments, as ``python SCRIPT ARGS...`` would get them."""
+
+    def command_line(self) -> str:
+        """``hf_example.py --bf16 ...``: how the report names the workload."""
+        return " ".join([Path(self.path).name, *self.args])
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrialSpec:
     """Everything one trial process needs, serialisable as JSON."""
 
@@ -98,6 +113,8 @@ class TrialSpec:
     """Base ``TrainingArguments`` keywords from the recipe (learning rate, logging, seed, ...); the strategy's
     own keywords (precision, batch, optimizer, ...) are applied over them."""
     measure: MeasureSpec = field(default_factory=MeasureSpec)
+    script: ScriptSpec | None = None
+    """The user's training script; None: hfscale builds ``model`` and ``data``."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +128,7 @@ class TrialSpec:
             data=DataSpec(**data.get("data", {})),
             training_args=dict(data.get("training_args", {})),
             measure=MeasureSpec(**data.get("measure", {})),
+            script=_script_from(data.get("script")),
         )
 
     def write(self, path: str | os.PathLike[str]) -> None:
@@ -121,4 +139,8 @@ class TrialSpec:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-__all__ = ["DataSpec", "MeasureSpec", "ModelSpec", "Task", "TrialSpec"]
+def _script_from(data: dict[str, Any] | None) -> ScriptSpec | None:
+    return None if data is None else ScriptSpec(path=data["path"], args=tuple(data.get("args", ())))
+
+
+__all__ = ["DataSpec", "MeasureSpec", "ModelSpec", "ScriptSpec", "Task", "TrialSpec"]

@@ -14,11 +14,11 @@ from helpers.models import TINY_BERT, TINY_GPT2
 from hfscale.configs import write_configs
 from hfscale.records.row import SCHEMA_VERSION, TrialOutcome
 from hfscale.strategy import Strategy
+from hfscale.trial.entry import main
 from hfscale.trial.train import (
     DEFAULT_SEED,
     LossRecorder,
     fsdp_block_classes,
-    main,
     merge_training_args,
     read_outcome,
     run_trial,

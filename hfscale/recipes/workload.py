@@ -1,0 +1,64 @@
+"""A recipe's ``workload:`` section: the user's own training script in place of the model and data hfscale builds.
+
+``workload: {script: train.py, args: [...]}`` runs the script unmodified under every trial's strategy
+(:mod:`hfscale.trial.script`); a trial's ``script_args:`` are added after ``args``. What needs hfscale's own model
+or data before anything runs is refused here, naming the key: ``model:`` and ``data:`` beside a script, the largest
+batch search (it builds data of its own), tensor or context parallelism (they reload the model hfscale builds), and
+LoRA without ``target_modules`` (a script's model has no default targets known before it runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hfscale.core.validation import Invalid, convert, join_path, reject_unknown, show_value
+from hfscale.workload.spec import ScriptSpec
+
+WORKLOAD_KEYS = ("script", "args")
+
+
+def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
+    """The recipe's script, its path resolved against the recipe's folder; None without ``workload:``."""
+    raw = data.get("workload")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise Invalid("workload", f"expected a mapping with script: and args:, got {show_value(raw)}")
+    reject_unknown(raw, WORKLOAD_KEYS, "workload")
+    if raw.get("script") is None:
+        raise Invalid("workload.script", "missing: the path of your training script (relative to the recipe's folder)")
+    written = Path(convert(str, raw["script"], "workload.script"))
+    args = convert(list[str], raw.get("args") or [], "workload.args")
+    folder = Path(source).resolve().parent if Path(source).is_file() else Path.cwd()
+    path = written if written.is_absolute() else folder / written
+    if not path.is_file():
+        raise Invalid("workload.script", f"{path} does not exist (a relative path is read from the recipe's folder)")
+    for key in ("model", "data"):
+        if data.get(key) is not None:
+            raise Invalid(key, f"the script builds its own {key}: remove {key}: (workload.script is set)")
+    return ScriptSpec(path=str(path.resolve()), args=tuple(args))
+
+
+def check_script_trial(strategy: Any, batch: str, path: str) -> None:
+    """Refuse what a trial of a script cannot run, at the trial's key."""
+    if batch != "fixed":
+        raise Invalid(
+            join_path(path, "batch"),
+            f"{batch}: the largest-batch search trains data hfscale builds; with workload.script use batch: fixed",
+        )
+    mesh = strategy.parallelism
+    if mesh is not None and (mesh.tp > 1 or mesh.cp > 1):
+        raise Invalid(
+            join_path(path, "parallelism"),
+            "tensor and context parallelism reload the model hfscale builds: not with workload.script",
+        )
+    if strategy.lora is not None and strategy.lora.target_modules is None:
+        raise Invalid(
+            join_path(join_path(path, "lora"), "target_modules"),
+            "a script's model has no default LoRA targets known before it runs: name its Linear layers "
+            "(target_modules: [q_proj, v_proj])",
+        )
+
+
+__all__ = ["WORKLOAD_KEYS", "check_script_trial", "parse_workload"]
