@@ -178,7 +178,8 @@ def describe_model(model: ModelSpec, data: DataSpec | None = None) -> ModelShape
 def _describe_cached(model_json: str, data_json: str) -> ModelShape:
     model = ModelSpec(**json.loads(model_json))
     meta = build_meta_model(model, DataSpec(**json.loads(data_json)))
-    return model_shape_from_module(meta, model_type=meta.config.model_type, task=model.task)  # type: ignore[arg-type]
+    model_type = getattr(getattr(meta, "config", None), "model_type", None) or model.type
+    return model_shape_from_module(meta, model_type=model_type, task=model.task)  # type: ignore[arg-type]
 
 
 __all__ = ["Family", "ModelShape", "ParamInfo", "describe_model", "model_shape_from_module"]

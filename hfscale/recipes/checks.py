@@ -72,6 +72,10 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
     Builds the config only (:func:`hfscale.workload.model.build_config`, no weights); skipped without transformers, and
     for a ``pretrained`` name whose config cannot be read here (offline): the trial then says.
     """
+    if model.factory is not None or data.factory is not None:
+        check_factories(model, data)
+        if model.factory is not None:
+            return
     try:
         from hfscale.workload.model import build_config, check_vocabulary
     except ImportError:
@@ -100,10 +104,25 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
         raise Invalid("model.config", str(exc)) from exc
     if not model.pretrained:
         check_config_keys(model)
+    if data.factory is not None:
+        return  # the factory's token ids are its own
     try:
         check_vocabulary(config, data)
     except ValueError as exc:
         raise Invalid("data.token_high", str(exc)) from exc
+
+
+def check_factories(model: ModelSpec, data: DataSpec) -> None:
+    """Refuse a ``model.factory`` or ``data.factory`` that does not import or names no function, now."""
+    from hfscale.workload.factory import load_callable
+
+    for key, reference in (("model.factory", model.factory), ("data.factory", data.factory)):
+        if reference is None:
+            continue
+        try:
+            load_callable(reference)
+        except ValueError as exc:
+            raise Invalid(key, str(exc)) from exc
 
 
 # Keys transformers 5 still takes and folds into ``rope_parameters`` (configs on the Hub carry them).
@@ -154,6 +173,10 @@ def check_liger(strategy: Any, model: ModelSpec, path: str) -> None:
     log at info level and train the model unpatched."""
     from hfscale.techniques.kernels import check_liger_model_type
 
+    if model.factory is not None and getattr(strategy, "use_liger_kernel", False):
+        raise Invalid(
+            join_path(path, "use_liger_kernel"), "Liger patches transformers model types, not a model.factory"
+        )
     try:
         check_liger_model_type(strategy, model.type if not model.pretrained else None)
     except ValueError as exc:
@@ -167,6 +190,11 @@ def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
     lora = getattr(strategy, "lora", None)
     if lora is None or lora.target_modules is not None or model.pretrained:
         return
+    if model.factory is not None:
+        raise Invalid(
+            join_path(join_path(path, "lora"), "target_modules"),
+            "a model.factory model has no default LoRA targets: name its Linear layers (target_modules: [q_proj])",
+        )
     from hfscale.techniques.lora import default_target_modules
 
     try:
@@ -193,6 +221,10 @@ def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path:
             raise Invalid(join_path(path, "parallelism"), f"accelerate refuses this mesh: {exc}") from exc
     if not tensor_parallel(strategy):
         return
+    if model.factory is not None:
+        raise Invalid(
+            join_path(path, "parallelism"), "tensor parallelism reloads a transformers model: not a model.factory"
+        )
     try:
         from hfscale.workload.model import build_config
 
@@ -216,6 +248,8 @@ def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
     Raises:
         Invalid: at ``PATH.per_device_batch_size``, naming the product and ``data.num_samples``.
     """
+    if data.factory is not None:
+        return  # the factory's data set is only known when it runs
     need = strategy.global_batch_size
     if data.num_samples >= need:
         return

@@ -75,7 +75,7 @@ from hfscale.recipes.schema import (
     ShippedRecipe,
     SweepOptions,
 )
-from hfscale.recipes.workload import check_script_trial, parse_workload
+from hfscale.recipes.workload import check_script_trial, parse_workload, resolve_factories
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, ScriptSpec, TrialSpec
@@ -193,8 +193,8 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     check_folder_name(name, "name")
     description = convert(str, data.get("description", ""), "description")
     device = convert(field_types(Recipe)["device"], data.get("device", "cuda"), "device")
-    model = build(ModelSpec, data.get("model") or {}, "model")
-    data_spec = build(DataSpec, data.get("data") or {}, "data")
+    model = resolve_factories(build(ModelSpec, data.get("model") or {}, "model"), source)
+    data_spec = resolve_factories(build(DataSpec, data.get("data") or {}, "data"), source)
     script = parse_workload(data, source)
     if script is None:
         check_model(model, data_spec)

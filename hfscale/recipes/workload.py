@@ -9,11 +9,13 @@ LoRA without ``target_modules`` (a script's model has no default targets known b
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from hfscale.core.validation import Invalid, convert, join_path, reject_unknown, show_value
-from hfscale.workload.spec import ScriptSpec
+from hfscale.workload.factory import resolve_reference
+from hfscale.workload.spec import ModelSpec, ScriptSpec
 
 WORKLOAD_KEYS = ("script", "args")
 
@@ -30,7 +32,7 @@ def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
         raise Invalid("workload.script", "missing: the path of your training script (relative to the recipe's folder)")
     written = Path(convert(str, raw["script"], "workload.script"))
     args = convert(list[str], raw.get("args") or [], "workload.args")
-    folder = Path(source).resolve().parent if Path(source).is_file() else Path.cwd()
+    folder = _recipe_folder(source)
     path = written if written.is_absolute() else folder / written
     if not path.is_file():
         raise Invalid("workload.script", f"{path} does not exist (a relative path is read from the recipe's folder)")
@@ -38,6 +40,22 @@ def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
         if data.get(key) is not None:
             raise Invalid(key, f"the script builds its own {key}: remove {key}: (workload.script is set)")
     return ScriptSpec(path=str(path.resolve()), args=tuple(args))
+
+
+def resolve_factories(spec: Any, source: str) -> Any:
+    """``spec`` (a ``ModelSpec`` or ``DataSpec``) with a ``file.py:function`` factory made absolute against the
+    recipe's folder, so the trial process finds it from any working directory."""
+    if getattr(spec, "factory", None) is None:
+        return spec
+    key = "model.factory" if isinstance(spec, ModelSpec) else "data.factory"
+    try:
+        return dataclasses.replace(spec, factory=resolve_reference(spec.factory, _recipe_folder(source)))
+    except ValueError as exc:
+        raise Invalid(key, str(exc)) from exc
+
+
+def _recipe_folder(source: str) -> Path:
+    return Path(source).resolve().parent if Path(source).is_file() else Path.cwd()
 
 
 def check_script_trial(strategy: Any, batch: str, path: str) -> None:
@@ -61,4 +79,4 @@ def check_script_trial(strategy: Any, batch: str, path: str) -> None:
         )
 
 
-__all__ = ["WORKLOAD_KEYS", "check_script_trial", "parse_workload"]
+__all__ = ["WORKLOAD_KEYS", "check_script_trial", "parse_workload", "resolve_factories"]

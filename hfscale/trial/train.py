@@ -263,12 +263,12 @@ def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: P
     from transformers import Trainer, TrainingArguments
 
     from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback, attach
-    from hfscale.workload.data import make_dataset
+    from hfscale.workload.data import make_training_data
 
     transformers.set_seed(kwargs["seed"])
     model = _build_model(spec, scratch)
     timer.lap("model_build")
-    dataset = make_dataset(spec.data, spec.model.task)
+    dataset, collator = make_training_data(spec.data, spec.model.task)
     timer.lap("data_build")
     _name_fsdp_blocks(kwargs, model)
     objects: dict[str, Any] = {}  # keywords that are not JSON (a mesh's ParallelismConfig): kept out of the result
@@ -281,9 +281,9 @@ def _build_trial(spec: TrialSpec, kwargs: dict[str, Any], scratch: str, timer: P
     throughput_cb = ThroughputCallback(warmup_steps=spec.measure.warmup_steps)
     # Counts the parameters when the Trainer is built, before FSDP1 turns them into views of its shard.
     verify_cb = VerificationCallback(spec.strategy, on_mismatch="warn")
-    trainer = Trainer(
-        model=model, args=args, train_dataset=dataset, callbacks=[memory_cb, throughput_cb, phase_clock, verify_cb]
-    )
+    callbacks = [memory_cb, throughput_cb, phase_clock, verify_cb]
+    collate = {"data_collator": collator} if collator is not None else {}
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks, **collate)
     for technique in TECHNIQUES:  # offload hooks; DeepSpeed's checkpoint function
         technique.apply(trainer, spec.strategy)
     recorder = LossRecorder()

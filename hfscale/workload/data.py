@@ -131,4 +131,18 @@ def make_dataset(spec: DataSpec, task: DataTask) -> datasets.Dataset:
     raise ValueError(f"task: expected one of 'classification', 'causal_lm', got {task!r}")
 
 
-__all__ = ["DataTask", "make_causal_lm_dataset", "make_classification_dataset", "make_dataset"]
+def make_training_data(spec: DataSpec, task: DataTask) -> tuple[datasets.Dataset, Any]:
+    """The trial's data set and its collator: the user's ``data.factory`` where the recipe names one, else the dummy
+    data of :func:`make_dataset` with no collator (the Trainer's default).
+
+    Raises:
+        ValueError: as :func:`make_dataset`, or :func:`hfscale.workload.factory.build_from_data_factory`.
+    """
+    if spec.factory is not None:
+        from hfscale.workload.factory import build_from_data_factory
+
+        return build_from_data_factory(spec.factory, spec.factory_kwargs)
+    return make_dataset(spec, task), None
+
+
+__all__ = ["DataTask", "make_causal_lm_dataset", "make_classification_dataset", "make_dataset", "make_training_data"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hfscale.workload.factory import load_callable
 from hfscale.workload.spec import DataSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ def build_model(model: ModelSpec, data: DataSpec, *, attn_implementation: str | 
     Raises:
         ValueError: as :func:`build_config` and :func:`check_vocabulary`.
     """
+    if model.factory is not None:
+        return load_callable(model.factory)(**model.config)
     config = build_config(model, data, attn_implementation=attn_implementation)
     check_vocabulary(config, data)
     extra = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
@@ -86,6 +89,11 @@ def build_meta_model(model: ModelSpec, data: DataSpec, *, attn_implementation: s
     """The same model on the meta device: every parameter's shape, no memory (what the estimate reads)."""
     from accelerate import init_empty_weights
 
+    if model.factory is not None:
+        import torch
+
+        with torch.device("meta"):  # every tensor the factory makes has a shape and no storage
+            return load_callable(model.factory)(**model.config)
     config = build_config(model, data, attn_implementation=attn_implementation)
     with init_empty_weights():
         return auto_model_class(model).from_config(config)

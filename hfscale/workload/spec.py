@@ -31,6 +31,9 @@ class ModelSpec:
     """Overrides for the model config (``hidden_size``, ``num_hidden_layers``, ...)."""
     pretrained: str | None = None
     """A name or local path to load real weights from instead; weights do not change speed or memory."""
+    factory: str | None = None
+    """Your own model: ``"package.module:function"`` or ``"file.py:function"``, called with ``config`` as keyword
+    arguments (:mod:`hfscale.workload.factory`); ``type`` is then only a label."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +49,12 @@ class DataSpec:
     num_labels: int = 2
     """Classes for classification; ignored for causal LM (labels are the inputs)."""
     seed: int = 0
+    factory: str | None = None
+    """Your own data: ``"package.module:function"`` or ``"file.py:function"`` returning a ``datasets.Dataset`` or a
+    ``(dataset, collator)`` pair, called with ``factory_kwargs``; ``seq_len`` then only tells the estimate the
+    sequence length to plan for."""
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the data factory."""
 
 
 DEFAULT_REPEATS = 3
