@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 from helpers.models import TINY_BERT, TINY_GPT2
-from helpers.runs import TINY_SWEEP_RECIPE
+from helpers.runs import TINY_SWEEP_RECIPE, one_thread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -92,13 +92,6 @@ def tiny_sweep_run(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("tiny-sweep")
     recipe = root / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(TINY_SWEEP_RECIPE), encoding="utf-8")
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread():
         run_sweep(recipe, run_dir=root / "run", report=False, progress=lambda line: None)
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     return root / "run"

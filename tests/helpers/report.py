@@ -8,6 +8,7 @@ from typing import Any
 
 from hfscale.estimate import MemoryEstimate
 from hfscale.measure.verify import VerificationRecord
+from hfscale.records.activity import MachineActivity
 from hfscale.records.measurements import MemorySummary, ThroughputSummary
 from hfscale.records.parity import ParityResult
 from hfscale.records.row import TrialOutcome, TrialResult
@@ -221,3 +222,29 @@ def noisy_steps(mean_s: float, n: int, *, cv: float = 0.03, seed: int = 0) -> li
 
     rng = np.random.default_rng(seed)
     return [float(max(t, mean_s * 0.1)) for t in rng.normal(mean_s, cv * mean_s, size=n)]
+
+
+CPU_HOG = MachineActivity(
+    samples=20,
+    duration_s=20.0,
+    cpu_count=2,
+    other_cores_mean=0.95,
+    other_cores_max=1.0,
+    busy_processes=["stress (4242): 95% of a core"],
+)
+"""What the activity sampler records when another process keeps a core busy during a trial: it flags the trial."""
+
+
+def runs_of(name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, cv: float = 0.03, **kw) -> list:
+    """``runs`` runs of one trial (strategy ``name`` over defaults), each 40 steps, their means 1% apart (run-to-run
+    drift)."""
+    strategy = Strategy(name=name)
+    return [
+        with_steps(
+            ok_row(name, strategy, 8 / mean_s, peak, **kw),
+            noisy_steps(mean_s * (1 + 0.01 * k), 40, cv=cv, seed=seed + 10 * k),
+            repeat=k,
+            repeats=runs,
+        )
+        for k in range(runs)
+    ]

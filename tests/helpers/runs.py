@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,21 @@ def write_recipe(folder: Path, data: dict[str, Any], name: str = "r.yaml") -> Pa
     path = folder / name
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """``OMP_NUM_THREADS=1`` for the sweeps started inside (their trials inherit it), restored after: two ranks on
+    two cores do not fight over threads."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 def launch_as_sweep(

@@ -7,38 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.report import ENV, constructed_rows, md_table, noisy_steps, ok_row, with_steps, write_run
+from helpers.report import CPU_HOG, ENV, constructed_rows, md_table, runs_of, write_run
 
 from hfscale import report
 from hfscale.core.units import GIB
-from hfscale.records.activity import MachineActivity
 from hfscale.report.answer import MIN_RUNS, answer, runs_to_decide
 from hfscale.report.text import as_plain
-from hfscale.strategy import Strategy
-
-BASE = Strategy(name="base")
-CPU_HOG = MachineActivity(
-    samples=20,
-    duration_s=20.0,
-    cpu_count=2,
-    other_cores_mean=0.95,
-    other_cores_max=1.0,
-    busy_processes=["stress (4242): 95% of a core"],
-)
-
-
-def _runs(name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, **kw) -> list:
-    """``runs`` runs of one trial, their means 1% apart (run-to-run drift)."""
-    strategy = BASE.replace(name=name)
-    return [
-        with_steps(
-            ok_row(name, strategy, 8 / mean_s, peak, **kw),
-            noisy_steps(mean_s * (1 + 0.01 * k), 40, seed=seed + 10 * k),
-            repeat=k,
-            repeats=runs,
-        )
-        for k in range(runs)
-    ]
 
 
 def test_one_run_each_names_the_choice_its_budget_and_the_runs_that_would_test_it() -> None:
@@ -51,7 +25,7 @@ def test_one_run_each_names_the_choice_its_budget_and_the_runs_that_would_test_i
 
 
 def test_a_clear_winner_is_named_with_its_interval_and_no_advice() -> None:
-    rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("fast", 0.05, seed=2, peak=3.0)]
+    rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("fast", 0.05, seed=2, peak=3.0)]
     text = as_plain(answer(report.summarize(rows, memory_budget_bytes=80 * GIB)))
     assert re.match(r"Use fast \(.*\): 2\.\d\dx the baseline's samples/s, 95% interval \d\.\d\d–\d\.\d\d", text), text
     assert "run each trial" not in text
@@ -59,9 +33,9 @@ def test_a_clear_winner_is_named_with_its_interval_and_no_advice() -> None:
 
 def test_a_disturbed_fastest_trial_gives_no_choice_and_says_how_to_decide() -> None:
     rows = [
-        *_runs("base", 0.10, seed=1, is_baseline=True),
-        *_runs("hogged", 0.05, seed=2, activity=CPU_HOG),
-        *_runs("steady", 0.09, seed=3),
+        *runs_of("base", 0.10, seed=1, is_baseline=True),
+        *runs_of("hogged", 0.05, seed=2, activity=CPU_HOG),
+        *runs_of("steady", 0.09, seed=3),
     ]
     summary = report.summarize(rows)
     assert summary.recommendation.fastest is None
@@ -72,7 +46,7 @@ def test_a_disturbed_fastest_trial_gives_no_choice_and_says_how_to_decide() -> N
 
 def test_runs_to_decide_grows_as_the_gap_shrinks_and_gives_up_on_no_gap() -> None:
     def runs(gap: float) -> int | None:
-        rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("b", 0.10 / (1 + gap), seed=2)]
+        rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("b", 0.10 / (1 + gap), seed=2)]
         return runs_to_decide(report.summarize(rows))
 
     # The pooled run noise of these runs is 0.6% of a run's samples/s: 2 (2.5 x 0.6 / 1)^2 = 4.7 runs for a 1% gap.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from helpers.paths import REPO
-from helpers.report import ENV, md_table, noisy_steps, ok_row, with_steps, write_run
+from helpers.report import CPU_HOG, ENV, md_table, noisy_steps, ok_row, runs_of, with_steps, write_run
 
 from hfscale import report
 from hfscale.commands import report as report_command
@@ -21,14 +21,6 @@ from hfscale.report.text import as_plain
 from hfscale.strategy import Strategy
 
 BASE = Strategy(name="base")
-CPU_HOG = MachineActivity(
-    samples=20,
-    duration_s=20.0,
-    cpu_count=2,
-    other_cores_mean=0.95,
-    other_cores_max=1.0,
-    busy_processes=["stress (4242): 95% of a core"],
-)
 
 
 def _trial(name: str, mean_s: float, *, seed: int, peak: float = 4.0, cv: float = 0.03, **kw) -> object:
@@ -36,25 +28,11 @@ def _trial(name: str, mean_s: float, *, seed: int, peak: float = 4.0, cv: float 
     return with_steps(ok_row(name, strategy, 8 / mean_s, peak, **kw), noisy_steps(mean_s, 40, cv=cv, seed=seed))
 
 
-def _runs(name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, cv: float = 0.03, **kw) -> list:
-    """``runs`` runs of one trial, each 40 steps, their means 1% apart (run-to-run drift)."""
-    strategy = BASE.replace(name=name)
-    return [
-        with_steps(
-            ok_row(name, strategy, 8 / mean_s, peak, **kw),
-            noisy_steps(mean_s * (1 + 0.01 * k), 40, cv=cv, seed=seed + 10 * k),
-            repeat=k,
-            repeats=runs,
-        )
-        for k in range(runs)
-    ]
-
-
 def test_two_trials_from_the_same_distribution_tie_and_the_recommendation_says_so() -> None:
     rows = [
-        *_runs("base", 0.10, seed=1, is_baseline=True),
-        *_runs("a", 0.10, seed=2, peak=3.0),
-        *_runs("b", 0.10, seed=3, peak=3.5),
+        *runs_of("base", 0.10, seed=1, is_baseline=True),
+        *runs_of("a", 0.10, seed=2, peak=3.0),
+        *runs_of("b", 0.10, seed=3, peak=3.5),
     ]
     summary = report.summarize(rows, memory_budget_bytes=80 * GIB)
     frame = summary.trials
@@ -72,7 +50,7 @@ def test_two_trials_from_the_same_distribution_tie_and_the_recommendation_says_s
 
 
 def test_a_real_speed_up_is_faster_with_an_interval_that_excludes_one() -> None:
-    rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("fast", 0.08, seed=2)]
+    rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("fast", 0.08, seed=2)]
     row = report.summarize(rows).trials.loc["fast"]
     assert row["verdict"] == "faster" and 1.15 < row["speedup_low"] <= row["speedup_vs_baseline"] <= row["speedup_high"]
     assert row["speedup_vs_baseline"] == pytest.approx(1.25, rel=0.03)
@@ -126,10 +104,10 @@ def test_a_row_disturbed_by_a_cpu_hog_is_flagged_and_not_recommended_on_speed() 
     assert report.summarize(rows).recommendation.fastest == "ok"
 
 
-def test_scattered_step_times_are_a_diagnostic_and_the_verdict_comes_from_the_runs() -> None:
+def test_scattered_step_times_are_a_diagnostic_and_the_verdict_comes_from_theruns_of() -> None:
     """0.3 flagged a trial whose steps scattered (CV 20%) as "may be unstable" and still printed "slower" beside
     it. Steps show how steady one run was; the runs decide the verdict: 2 runs of each, 25% apart, are faster."""
-    rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("jumpy", 0.08, seed=2, cv=0.3)]
+    rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("jumpy", 0.08, seed=2, cv=0.3)]
     row = report.summarize(rows).trials.loc["jumpy"]
     assert row["step_time_cv_pct"] > 20 and row["step_mean_se_pct"] > 0 and not row["unstable"]
     assert row["verdict"] == "faster"
@@ -137,7 +115,7 @@ def test_scattered_step_times_are_a_diagnostic_and_the_verdict_comes_from_the_ru
 
 def _steady_and_wild(wild_means: tuple[float, float]) -> list:
     """Five trials of two runs 1% apart (t0 the baseline), and "wild", two runs of these mean step times."""
-    steady = [r for k in range(5) for r in _runs(f"t{k}", 0.10, seed=10 * k, is_baseline=k == 0)]
+    steady = [r for k in range(5) for r in runs_of(f"t{k}", 0.10, seed=10 * k, is_baseline=k == 0)]
     wild = [
         with_steps(ok_row("wild", BASE.replace(name="wild"), 80.0, 4.0), noisy_steps(mean, 40, seed=7 + k), repeat=k,
                    repeats=2)
@@ -170,7 +148,7 @@ def test_rows_without_step_times_get_no_invented_interval(tmp_path: Path) -> Non
     assert "No trial ran twice, so the run-to-run noise is unknown" in md
 
 
-def _two_runs(name: str, mean_s: float, *, seed: int) -> list:
+def _tworuns_of(name: str, mean_s: float, *, seed: int) -> list:
     return [
         with_steps(ok_row(name, BASE.replace(name=name), 8 / mean_s, 4.0), noisy_steps(mean_s, 40, seed=seed + r),
                    repeat=r, repeats=2)
@@ -190,9 +168,9 @@ def test_compare_takes_no_side_on_one_run_a_side(tmp_path: Path, capsys: pytest.
 
 
 def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    a = write_run(tmp_path / "a", [*_two_runs("base", 0.10, seed=1), *_two_runs("x", 0.10, seed=10)], ENV)
-    noise = write_run(tmp_path / "noise", [*_two_runs("base", 0.10, seed=20), *_two_runs("x", 0.10, seed=30)], ENV)
-    slow = write_run(tmp_path / "slow", [*_two_runs("base", 0.10, seed=40), *_two_runs("x", 0.12, seed=50)], ENV)
+    a = write_run(tmp_path / "a", [*_tworuns_of("base", 0.10, seed=1), *_tworuns_of("x", 0.10, seed=10)], ENV)
+    noise = write_run(tmp_path / "noise", [*_tworuns_of("base", 0.10, seed=20), *_tworuns_of("x", 0.10, seed=30)], ENV)
+    slow = write_run(tmp_path / "slow", [*_tworuns_of("base", 0.10, seed=40), *_tworuns_of("x", 0.12, seed=50)], ENV)
     assert (
         report_command.compare_main([str(a), str(noise), "--out", str(tmp_path / "c1"), "--fail-on-regression", "5"])
         == 0
@@ -330,7 +308,11 @@ def test_a_memory_tie_is_decided_on_the_figure_it_prints() -> None:
 
 def test_a_non_finite_step_leaves_that_trial_without_an_interval_and_the_report_goes_on() -> None:
     """0.3 raised for the whole report on one NaN step time."""
-    rows = [*_runs("base", 0.10, seed=1, is_baseline=True), *_runs("x", 0.10, seed=2), *_runs("bad", 0.10, seed=3)]
+    rows = [
+        *runs_of("base", 0.10, seed=1, is_baseline=True),
+        *runs_of("x", 0.10, seed=2),
+        *runs_of("bad", 0.10, seed=3),
+    ]
     broken = rows[-1].throughput.step_times_s
     broken[3] = math.nan
     frame = report.summarize(rows).trials
@@ -347,7 +329,7 @@ def test_a_flagged_trial_is_never_called_a_tie_either() -> None:
 
 
 def test_a_disturbed_baseline_gives_no_verdict_to_anyone() -> None:
-    rows = [*_runs("base", 0.10, seed=1, is_baseline=True, activity=CPU_HOG), *_runs("fast", 0.05, seed=2)]
+    rows = [*runs_of("base", 0.10, seed=1, is_baseline=True, activity=CPU_HOG), *runs_of("fast", 0.05, seed=2)]
     row = report.summarize(rows).trials.loc["fast"]
     assert row["verdict"] == "untested" and "base may be unstable" in row["verdict_reason"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.paths import SCRIPTS
-from helpers.runs import write_recipe
+from helpers.runs import one_thread, write_recipe
 
 from hfscale import report
 from hfscale.recipes.recipe import load_recipe
@@ -58,15 +58,8 @@ def script_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("own-script")
     recipe = write_recipe(root, _recipe(root))
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread():
         run_sweep(recipe, run_dir=root / "run", progress=lambda line: None)
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     return root / "run"
 
 
