@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from hfscale.core.units import parse_memory_size
 from hfscale.report.analysis import ReportError, summarize_run
-from hfscale.report.compare import regressions, write_comparison_of
+from hfscale.report.compare import regressions, workload_difference, write_comparison_of
 from hfscale.report.write import write_report
 
 
@@ -113,6 +113,12 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "noise threshold) by more than PCT percent; changes that cannot be tested (fewer than two runs a side, or "
         "a trial that may be unstable) never fail",
     )
+    parser.add_argument(
+        "--allow-different-workloads",
+        action="store_true",
+        help="compare runs whose recipes trained different models, data or scripts (refused by default: the same "
+        "trial name would then name different jobs)",
+    )
     args = _parse(parser, argv)
     if isinstance(args, int):
         return args
@@ -123,6 +129,10 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         except ReportError as exc:
             print(f"hfscale compare: error: argument {name}: {exc}", file=sys.stderr)
             return 2
+    different = workload_difference(*summaries)
+    if different and not args.allow_different_workloads:
+        print(f"hfscale compare: error: {different}; pass --allow-different-workloads to compare them", file=sys.stderr)
+        return 2
     try:
         paths, tests = write_comparison_of(*summaries, out_dir=args.out)
     except ImportError as exc:

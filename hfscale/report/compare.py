@@ -225,6 +225,19 @@ def write_comparison(run_a: str | Path, run_b: str | Path, *, out_dir: str | Pat
     return paths
 
 
+def workload_difference(a: Summary, b: Summary) -> str | None:
+    """Why the two runs trained different jobs (their recipe copies' ``workload``, ``model`` or ``data`` differ),
+    in one sentence; None when they trained the same one or either recipe copy cannot be read."""
+    key_a = a.coverage.workload_key if a.coverage is not None else None
+    key_b = b.coverage.workload_key if b.coverage is not None else None
+    if key_a is None or key_b is None or key_a == key_b:
+        return None
+    return (
+        f"{a.run_dir} and {b.run_dir} trained different workloads (their recipe copies' workload, model or data "
+        f"sections differ: {key_a} against {key_b})"
+    )
+
+
 def write_comparison_of(
     a: Summary, b: Summary, *, out_dir: str | Path | None = None
 ) -> tuple[ReportPaths, pd.DataFrame]:
@@ -242,10 +255,11 @@ def write_comparison_of(
     png = plot_compare(matched, label_a, label_b)
     caption = f"Bars: {label_a} and {label_b} for each trial in both runs."
     figures = [Figure(name="compare.png", title="Throughput and peak memory", caption=caption, png=png)] if png else []
+    different = workload_difference(a, b)
     intro = (
         f"Run A: {a.run_dir} ({len(a.trials)} trials); run B: {b.run_dir} ({len(b.trials)} trials); "
         f"{len(matched)} in both. B/A above 1 means B is faster (samples/s, tokens/s) or uses more "
-        "(step time, peak memory, wall time)."
+        "(step time, peak memory, wall time)." + (f" Compared although {different}." if different else "")
     )
     only = [f"Only in {label}: {', '.join(names)}." for label, names in ((label_a, only_a), (label_b, only_b)) if names]
     sections = [

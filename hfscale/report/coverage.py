@@ -53,6 +53,9 @@ class Coverage:
     workload: str | None = None
     """The user's script the recipe runs, with its arguments as written (``hf_example.py --bf16``); None when the
     trials train the model and data hfscale builds."""
+    workload_key: str | None = None
+    """What the run trained, as one comparable text: the recipe copy's ``workload``, ``model`` and ``data``
+    sections (:func:`workload_key`); None when the copy cannot be read."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -105,15 +108,32 @@ def progress(trial_dir: Path) -> str:
     return got
 
 
-def recipe_workload(path: Path) -> str | None:
-    """The script a recipe copy runs, as written (:attr:`Coverage.workload`); read without validating."""
+def _recipe_copy(path: Path) -> dict | None:
+    """The recipe copy's YAML document, unvalidated; None when it cannot be read."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    raw = data.get("workload") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def workload_key(path: Path) -> str | None:
+    """The recipe copy's ``workload``, ``model`` and ``data`` sections as one JSON text (keys sorted): two runs
+    trained the same job when these are equal (:attr:`Coverage.workload_key`)."""
+    import json
+
+    data = _recipe_copy(path)
+    if data is None:
+        return None
+    return json.dumps({key: data.get(key) for key in ("workload", "model", "data")}, sort_keys=True, default=str)
+
+
+def recipe_workload(path: Path) -> str | None:
+    """The script a recipe copy runs, as written (:attr:`Coverage.workload`); read without validating."""
+    data = _recipe_copy(path)
+    raw = data.get("workload") if data is not None else None
     if not isinstance(raw, dict) or not raw.get("script"):
         return None
     return " ".join([Path(str(raw["script"])).name, *(str(a) for a in raw.get("args") or [])])
@@ -152,7 +172,8 @@ def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:
         not_in_recipe=tuple(n for n in have if names and n not in names and max_batch_base(n) not in names),
         recipe_error=error,
         workload=recipe_workload(folder.recipe_path),
+        workload_key=workload_key(folder.recipe_path),
     )
 
 
-__all__ = ["Coverage", "Interrupted", "coverage", "progress", "recipe_workload"]
+__all__ = ["Coverage", "Interrupted", "coverage", "progress", "recipe_workload", "workload_key"]

@@ -71,3 +71,22 @@ def test_compare_names_the_bad_argument(
 ) -> None:
     assert report_command.compare_main([str(runs[0]), str(tmp_path / "nope")]) == 2
     assert "argument RUN_B" in capsys.readouterr().err
+
+
+def test_compare_refuses_runs_of_different_workloads_unless_asked(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23: the same trial name in two runs of different models (or scripts) names two different jobs."""
+    a, b = runs
+    (a / "recipe.yaml").write_text("model: {type: bert}\ntrials: [{name: baseline}]\n", encoding="utf-8")
+    (b / "recipe.yaml").write_text("workload: {script: train.py, args: [--bf16]}\ntrials: [{name: baseline}]\n",
+                                   encoding="utf-8")  # fmt: skip
+    assert report_command.compare_main([str(a), str(b), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "trained different workloads" in err and "--allow-different-workloads" in err and "train.py" in err
+    allowed = [str(a), str(b), "--out", str(tmp_path / "c"), "--allow-different-workloads"]
+    assert report_command.compare_main(allowed) == 0
+    assert "Compared although" in (tmp_path / "c" / "compare.md").read_text(encoding="utf-8")
+    # The same workload written with other trials compares as before.
+    (b / "recipe.yaml").write_text("model: {type: bert}\ntrials: [{name: sgd}]\n", encoding="utf-8")
+    assert report_command.compare_main([str(a), str(b), "--out", str(tmp_path / "d")]) == 0
