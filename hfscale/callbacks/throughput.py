@@ -132,6 +132,8 @@ class ThroughputCallback(_SummaryCallback):
         self._interrupted: list[bool] = []
         self._acc_samples = 0
         self._acc_tokens = 0
+        self._real: list[Any] = []
+        self._acc_real: Any = None
         self._dirty = False
         self._model_shape: tuple[int, int, int] | None = None
         self._frozen_params = 0
@@ -183,6 +185,8 @@ class ThroughputCallback(_SummaryCallback):
         self._timer.mark()
         self._samples.append(self._acc_samples)
         self._tokens.append(self._acc_tokens)
+        self._real.append(self._acc_real)
+        self._acc_real = None
         self._interrupted.append(self._dirty)
         self._acc_samples = self._acc_tokens = 0
         self._dirty = False
@@ -196,6 +200,11 @@ class ThroughputCallback(_SummaryCallback):
         samples, tokens = _batch_counts(args, kwargs)
         self._acc_samples += samples
         self._acc_tokens += tokens
+        mask = kwargs.get("attention_mask")
+        if tokens and mask is not None and hasattr(mask, "sum") and len(getattr(mask, "shape", ())) == 2:
+            # Summed on the device and read once after training: no synchronisation inside a step.
+            real = mask.detach().sum()
+            self._acc_real = real if self._acc_real is None else self._acc_real + real
 
     def _remove_hook(self) -> None:
         hook = getattr(self, "_hook", None)
@@ -238,6 +247,7 @@ class ThroughputCallback(_SummaryCallback):
                 "durations": durations[:n],
                 "samples": self._samples[:n],
                 "tokens": self._tokens[:n],
+                "real_tokens": _read_counts(self._real[:n]),
                 "interrupted": self._interrupted[:n],
             }
         )
@@ -311,6 +321,8 @@ class ThroughputCallback(_SummaryCallback):
         total_samples = sum(samples[k] for k in measured)
         total_tokens = sum(steps.tokens[k] for k in measured)
         tokens_per_s = total_tokens / total_time if total_tokens else None
+        real = [steps.real_tokens[k] for k in measured]
+        real_tokens_per_s = sum(real) / total_time if real and None not in real else None
         tokens_per_sample = total_tokens / total_samples if total_tokens and total_samples else None
         fpt = self._flops_per_token(tokens_per_sample)
         peak = common["peak_flops_per_s"]
@@ -336,6 +348,7 @@ class ThroughputCallback(_SummaryCallback):
             step_time_min_s=min(times),
             step_time_max_s=max(times),
             step_times_s=times,
+            real_tokens_per_s=real_tokens_per_s,
             **common,
         )
 
@@ -350,6 +363,17 @@ class _Steps:
     tokens: list[int]
     interrupted: list[bool]
     """Steps that held an evaluation or a checkpoint save on any rank."""
+    real_tokens: list[int | None]
+    """Tokens not padding (attention mask), all ranks; None for a step where a rank's batches had no mask."""
+
+
+def _read_counts(counts: list[Any]) -> list[int | None]:
+    """Per-step device counts as integers, read in one transfer (None where a step had none)."""
+    import torch
+
+    present = [c for c in counts if c is not None]
+    values = iter(torch.stack(present).tolist() if present else [])
+    return [None if c is None else int(next(values)) for c in counts]
 
 
 def _counted_or_configured(samples: list[int], configured: int) -> list[int]:
@@ -372,7 +396,12 @@ def _combine_ranks(rows: list[dict[str, Any]], samples_shared: int, tokens_share
         samples=[sum(r["samples"][k] for r in rows) // samples_shared for k in range(n)],
         tokens=[sum(r["tokens"][k] for r in rows) // tokens_shared for k in range(n)],
         interrupted=[any(r["interrupted"][k] for r in rows) for k in range(n)],
+        real_tokens=[_sum_or_none([r["real_tokens"][k] for r in rows], tokens_shared) for k in range(n)],
     )
+
+
+def _sum_or_none(counts: list[int | None], shared: int) -> int | None:
+    return None if any(c is None for c in counts) else sum(counts) // shared  # type: ignore[misc]
 
 
 def _fsdp1_active(model: Any) -> bool:

@@ -112,6 +112,30 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
         raise Invalid("data.token_high", str(exc)) from exc
 
 
+def check_lengths(model: ModelSpec, data: DataSpec) -> None:
+    """Refuse variable lengths that cannot be drawn, and packing where it means nothing (classification, or rows
+    that are already full), at their keys."""
+    lengths = data.lengths
+    if data.packing == "pack" and lengths is None:
+        raise Invalid("data.packing", "pack needs data.lengths: fixed-length rows are already full")
+    if data.packing == "pack" and model.task != "causal_lm":
+        raise Invalid("data.packing", f"pack joins sequences into rows: only for task causal_lm, not {model.task}")
+    if lengths is None:
+        return
+    if not 1 <= lengths.min <= data.seq_len:
+        raise Invalid("data.lengths.min", f"expected 1 to data.seq_len ({data.seq_len}), got {lengths.min}")
+    if lengths.distribution == "normal" and (lengths.mean is None or lengths.sd is None or lengths.sd <= 0):
+        raise Invalid("data.lengths", "normal needs mean and a positive sd")
+    if lengths.distribution == "histogram":
+        bad = [k for k, w in lengths.histogram.items() if not 1 <= k <= data.seq_len or w <= 0]
+        if not lengths.histogram or bad:
+            raise Invalid(
+                "data.lengths.histogram",
+                f"expected lengths 1 to data.seq_len ({data.seq_len}) with positive weights"
+                + (f"; not {bad}" if bad else ", got none"),
+            )
+
+
 def check_factories(model: ModelSpec, data: DataSpec) -> None:
     """Refuse a ``model.factory`` or ``data.factory`` that does not import or names no function, now."""
     from hfscale.workload.factory import load_callable
@@ -251,6 +275,10 @@ def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
     if data.factory is not None:
         return  # the factory's data set is only known when it runs
     need = strategy.global_batch_size
+    if data.packing == "pack":
+        from hfscale.workload.lengths import packed_rows
+
+        data = dataclasses.replace(data, num_samples=packed_rows(data))
     if data.num_samples >= need:
         return
     replicas = need // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)

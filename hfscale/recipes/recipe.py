@@ -51,6 +51,7 @@ from hfscale.recipes.checks import (
     REFUSED_TRAINING_ARGS,
     check_batch_fits_data,
     check_folder_name,
+    check_lengths,
     check_liger,
     check_lora,
     check_measure,
@@ -198,6 +199,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     script = parse_workload(data, source)
     if script is None:
         check_model(model, data_spec)
+        check_lengths(model, data_spec)
     measure_raw = data.get("measure") or {}
     measure = build(MeasureSpec, measure_raw, "measure")
     check_measure(measure, "measure")

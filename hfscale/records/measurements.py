@@ -185,6 +185,9 @@ class ThroughputSummary:
     step_times_s: list[float] = field(default_factory=list)
     """Every measured step's time (the slowest rank's), in step order: the within-run diagnostics (step-time CV,
     batch-means error) come from them; the intervals come from the runs (``hfscale.results.stats``)."""
+    real_tokens_per_s: float | None = None
+    """Tokens that are not padding (the batches' ``attention_mask``) per second, all ranks together; None when the
+    batches carry no attention mask. Beside ``tokens_per_s`` it shows what padding costs."""
     first_step_s: float | None = None
     """The first optimizer step's time (the slowest rank's), a warm-up step left out of the figures above: under
     ``torch.compile`` it holds the compilation (README, "Compilation, attention kernels, TF32 and Liger": seconds
@@ -204,6 +207,7 @@ class ThroughputSummary:
         out: dict[str, Any] = {
             "throughput/samples_per_s": self.samples_per_s,
             "throughput/tokens_per_s": self.tokens_per_s,
+            "throughput/real_tokens_per_s": self.real_tokens_per_s,
             "throughput/step_time_median_s": self.step_time_median_s,
             "throughput/step_time_p90_s": self.step_time_p90_s,
             "throughput/step_time_mean_s": self.step_time_mean_s,

@@ -229,6 +229,7 @@ COLUMNS: dict[str, Column] = {
         _num("samples_per_s_spread_pct", "samples/s spread (%)", "%", 1),
         _num("trainer_samples_per_s", "samples/s (Trainer)", "samples/s", 2),
         _num("tokens_per_s", "tokens/s", "tokens/s", 0),
+        _num("real_tokens_per_s", "real tokens/s", "tokens/s", 0),
         Column(key="mfu_pct", header="MFU (% of peak TFLOP/s)", unit="%", cell=_mfu_cell),
         _num("world_size", "processes", None, None),
         _num("peak_gib", "peak memory (GiB)", "GiB", 3),
@@ -269,10 +270,12 @@ def trial_columns(
     energy: bool = False,
     cost: bool = False,
     compiled: bool = False,
+    real_tokens: bool = False,
 ) -> list[Column]:
     """The Trials table: repeat statistics only when a trial ran more than once, the step-time dispersion only
     when step times were kept, energy only where a GPU counted it, cost only with a price, the largest batch only
-    when the sweep searched for it, the first step's time (which pays torch.compile's compilation, kept out of the
+    when the sweep searched for it, real (unpadded) tokens/s only where batches carried an attention mask with
+    padding, the first step's time (which pays torch.compile's compilation, kept out of the
     steady-state figures) only when a trial compiled."""
     return select(
         "trial",
@@ -287,6 +290,7 @@ def trial_columns(
         *(("cost_per_m_tokens",) if cost else ()),
         "trainer_samples_per_s",
         "tokens_per_s",
+        *(("real_tokens_per_s",) if real_tokens else ()),
         "achieved_tflops",
         "mfu_pct",
         *(("first_step_s",) if compiled else ()),

@@ -141,7 +141,8 @@ DEFINITIONS = (
     "measure and none is invented.",
     "**step time CV** and **step mean SE**: how steady one run was (standard deviation / mean of its step times; the "
     "batch-means standard error of its mean step time, which allows for slow stretches), median over runs: "
-    "diagnostics, never a verdict's interval. **tokens/s**: the same statistic in tokens (padding included).",
+    "diagnostics, never a verdict's interval. **tokens/s**: the same statistic in tokens (padding included); **real "
+    "tokens/s** (shown where batches were padded): the tokens the attention mask keeps, median over runs.",
     "**speed-up**: the ratio of geometric means against the baseline with **Dunnett's** simultaneous 95% interval "
     "(many trials against one baseline: the chance that a sweep calls any identical trial faster or slower is 5%); "
     "**≈** and *tie* mark a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold). A "
@@ -376,7 +377,15 @@ def _trial_columns(summary: Summary) -> list[Column]:
         energy=bool(frame["energy_j"].notna().any()) if len(frame) else False,
         cost=summary.price_per_hour is not None,
         compiled=bool(frame["compiled"].any()) if len(frame) else False,
+        real_tokens=_pads(frame),
     )
+
+
+def _pads(frame: pd.DataFrame) -> bool:
+    """Whether some trial's batches held padding: real tokens/s below tokens/s."""
+    if not len(frame) or "real_tokens_per_s" not in frame:
+        return False
+    return bool((frame["real_tokens_per_s"].astype(float) < frame["tokens_per_s"].astype(float)).any())
 
 
 def _machine_sections(summary: Summary) -> list[Section]:

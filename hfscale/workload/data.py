@@ -142,6 +142,10 @@ def make_training_data(spec: DataSpec, task: DataTask) -> tuple[datasets.Dataset
         from hfscale.workload.factory import build_from_data_factory
 
         return build_from_data_factory(spec.factory, spec.factory_kwargs)
+    if spec.lengths is not None or spec.packing == "pack":
+        from hfscale.workload.lengths import variable_length_data
+
+        return variable_length_data(spec, task)
     return make_dataset(spec, task), None
 
 

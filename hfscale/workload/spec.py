@@ -37,6 +37,21 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LengthSpec:
+    """How long each dummy sequence is, drawn per sample and at most ``data.seq_len``
+    (:mod:`hfscale.workload.lengths`)."""
+
+    distribution: Literal["uniform", "normal", "histogram"] = "uniform"
+    """``uniform`` over [min, seq_len]; ``normal`` with ``mean`` and ``sd`` (clipped to [min, seq_len]);
+    ``histogram``: lengths drawn with the weights of ``histogram``."""
+    min: int = 1
+    mean: float | None = None
+    sd: float | None = None
+    histogram: dict[int, float] = field(default_factory=dict)
+    """Length -> weight (any positive numbers; normalised)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataSpec:
     """The dummy data set: random token ids, the seed setup by default (512 sequences of 512 tokens)."""
 
@@ -55,6 +70,11 @@ class DataSpec:
     sequence length to plan for."""
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the data factory."""
+    lengths: LengthSpec | None = None
+    """Variable-length sequences (``seq_len`` is then the longest); None: every sequence is ``seq_len`` long."""
+    packing: Literal["pad", "pack"] = "pad"
+    """With ``lengths``: pad each batch to its longest sequence, or pack the sequences into rows of ``seq_len``
+    (causal LM only)."""
 
 
 DEFAULT_REPEATS = 3
@@ -134,7 +154,7 @@ class TrialSpec:
             name=data["name"],
             strategy=Strategy.from_dict(data["strategy"]),
             model=ModelSpec(**data.get("model", {})),
-            data=DataSpec(**data.get("data", {})),
+            data=_data_from(data.get("data", {})),
             training_args=dict(data.get("training_args", {})),
             measure=MeasureSpec(**data.get("measure", {})),
             script=_script_from(data.get("script")),
@@ -148,8 +168,17 @@ class TrialSpec:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
+def _data_from(data: dict[str, Any]) -> DataSpec:
+    raw = dict(data)
+    lengths = raw.pop("lengths", None)
+    if lengths is not None:  # JSON keys are strings: the histogram's lengths are integers again
+        histogram = {int(k): float(v) for k, v in (lengths.get("histogram") or {}).items()}
+        raw["lengths"] = LengthSpec(**{**lengths, "histogram": histogram})
+    return DataSpec(**raw)
+
+
 def _script_from(data: dict[str, Any] | None) -> ScriptSpec | None:
     return None if data is None else ScriptSpec(path=data["path"], args=tuple(data.get("args", ())))
 
 
-__all__ = ["DataSpec", "MeasureSpec", "ModelSpec", "ScriptSpec", "Task", "TrialSpec"]
+__all__ = ["DataSpec", "LengthSpec", "MeasureSpec", "ModelSpec", "ScriptSpec", "Task", "TrialSpec"]
