@@ -20,6 +20,7 @@ from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SettingError, SweepError, SweepSettings
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
+from hfscale.recipes.workload import recipe_with_script
 from hfscale.results.run_folder import RECIPE_FILE, RunFolderError
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--run-dir", type=Path, help="the new run folder itself (must not exist)")
     where.add_argument("--resume", type=Path, metavar="RUN_DIR", help="run what is missing in this run folder")
     parser.add_argument("--dry-run", action="store_true", help="print the trials and their launch commands only")
+    parser.add_argument(
+        "--script",
+        metavar="TRAIN_PY",
+        help="run your own training script in every trial instead of the recipe's model and data; its arguments "
+        "follow a -- at the end (hfscale sweep --script train.py RECIPE -- --dataset x ...)",
+    )
     groups: dict[str | None, Any] = {
         None: parser,
         "memory": parser.add_argument_group("memory estimate and batch search"),
@@ -151,9 +158,31 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def _parse_with_script(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments; with ``--script TRAIN_PY``, ``args.recipe`` is the recipe rewritten to run that script with
+    the arguments after ``--`` (:func:`hfscale.recipes.workload.recipe_with_script`).
+
+    Raises:
+        RecipeError, OSError: when the recipe cannot be rewritten (not a mapping, no such script).
+    """
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, script_args = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    if script_args and not args.script:
+        parser.error("arguments after -- are the --script's: give --script TRAIN_PY")
+    if args.script:
+        if args.resume or not args.recipe:
+            parser.error("--script needs a RECIPE (a resumed run keeps the script its recipe copy names)")
+        args.recipe = str(recipe_with_script(args.recipe, args.script, script_args))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = _parse_with_script(parser, list(sys.argv[1:] if argv is None else argv))
+    except (RecipeError, OSError) as exc:
+        print(f"hfscale sweep: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     launch = LaunchInfo.from_env()
     if not launch.is_driver:

@@ -10,10 +10,16 @@ LoRA without ``target_modules`` (a script's model has no default targets known b
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hfscale.core.validation import Invalid, convert, join_path, reject_unknown, show_value
+from hfscale.recipes.catalog import resolve_recipe
+from hfscale.recipes.schema import RecipeError
 from hfscale.workload.factory import resolve_reference
 from hfscale.workload.spec import ModelSpec, ScriptSpec
 
@@ -58,6 +64,28 @@ def _recipe_folder(source: str) -> Path:
     return Path(source).resolve().parent if Path(source).is_file() else Path.cwd()
 
 
+def recipe_with_script(recipe: str | os.PathLike[str], script: str, args: list[str]) -> Path:
+    """``hfscale sweep --script SCRIPT RECIPE -- ARGS``: the recipe with ``workload: {script, args}`` in place of its
+    ``model:`` and ``data:``, written to a new temporary file (the sweep copies it into the run folder, so a resume
+    and a comparison see the script). Its trials, measure and run sections are the recipe's.
+
+    Raises:
+        RecipeError: when the recipe is not a YAML mapping or the script does not exist.
+    """
+    source = resolve_recipe(recipe)
+    data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: expected a mapping at the top level")
+    if not Path(script).is_file():
+        raise RecipeError(f"--script {script}: no such file")
+    for key in ("model", "data"):
+        data.pop(key, None)
+    data["workload"] = {"script": str(Path(script).resolve()), "args": list(args)}
+    derived = Path(tempfile.mkdtemp(prefix="hfscale-recipe-")) / source.name
+    derived.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return derived
+
+
 def check_script_trial(strategy: Any, batch: str, path: str) -> None:
     """Refuse what a trial of a script cannot run, at the trial's key."""
     if batch != "fixed":
@@ -79,4 +107,4 @@ def check_script_trial(strategy: Any, batch: str, path: str) -> None:
         )
 
 
-__all__ = ["WORKLOAD_KEYS", "check_script_trial", "parse_workload", "resolve_factories"]
+__all__ = ["WORKLOAD_KEYS", "check_script_trial", "parse_workload", "recipe_with_script", "resolve_factories"]

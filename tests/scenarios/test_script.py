@@ -119,3 +119,19 @@ def test_a_script_recipe_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     plain = {k: v for k, v in data.items() if k != "workload"}
     with pytest.raises(RecipeError, match=r"trials\[7\]\.script_args: .*only with workload\.script"):
         load_recipe(write_recipe(tmp_path, plain))
+
+
+def test_the_command_line_form_puts_the_script_in_place_of_a_recipes_model(capsys: pytest.CaptureFixture) -> None:
+    """``hfscale sweep --script train.py RECIPE -- ARGS``: the recipe's trials, the script's model and data."""
+    from hfscale.commands.sweep import main
+    from hfscale.recipes.workload import recipe_with_script
+
+    derived = load_recipe(recipe_with_script("cpu_small", str(SCRIPT), ["--num_samples", "64"]))
+    assert [t.name for t in derived.trials] == [t.name for t in load_recipe("cpu_small").trials]
+    assert {t.spec.script.path for t in derived.trials} == {str(SCRIPT.resolve())}
+    assert derived.trials[0].spec.script.args == ("--num_samples", "64")
+    assert main(["--dry-run", "--script", str(SCRIPT), "cpu_small", "--", "--num_samples", "64"]) == 0
+    assert "fsdp2-x2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--dry-run", "cpu_small", "--", "--bf16"])  # arguments after -- without --script
+    assert "give --script TRAIN_PY" in capsys.readouterr().err
