@@ -51,8 +51,8 @@ class Coverage:
     recipe_error: str | None = None
     """Why the recipe could not be read, if it could not."""
     workload: str | None = None
-    """The user's script the recipe runs, with its arguments as written (``hf_example.py --bf16``); None when the
-    trials train the model and data hfscale builds."""
+    """The user's own job the recipe names (its script with the arguments, or its model and data factories); None
+    when the trials train the model and data hfscale builds."""
     workload_key: str | None = None
     """What the run trained, as one comparable text: the recipe copy's ``workload``, ``model`` and ``data``
     sections (:func:`workload_key`); None when the copy cannot be read."""
@@ -131,12 +131,19 @@ def workload_key(path: Path) -> str | None:
 
 
 def recipe_workload(path: Path) -> str | None:
-    """The script a recipe copy runs, as written (:attr:`Coverage.workload`); read without validating."""
-    data = _recipe_copy(path)
-    raw = data.get("workload") if data is not None else None
-    if not isinstance(raw, dict) or not raw.get("script"):
-        return None
-    return " ".join([Path(str(raw["script"])).name, *(str(a) for a in raw.get("args") or [])])
+    """The user's own job a recipe copy names, as written (:attr:`Coverage.workload`): the script and its
+    arguments, or the model and data factories; read without validating."""
+    data = _recipe_copy(path) or {}
+    raw = data.get("workload")
+    if isinstance(raw, dict) and raw.get("script"):
+        command = " ".join([Path(str(raw["script"])).name, *(str(a) for a in raw.get("args") or [])])
+        return f"your own script, {command} (the recipe's workload:; a trial's script_args follow it)"
+    factories = [
+        f"{key} factory {Path(str(section['factory'])).name}"
+        for key in ("model", "data")
+        if isinstance(section := data.get(key), dict) and section.get("factory")
+    ]
+    return ", ".join(factories) if factories else None
 
 
 def coverage(folder: RunFolder, row_trials: Iterable[str]) -> Coverage:

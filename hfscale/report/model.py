@@ -445,13 +445,7 @@ def _intro(summary: Summary) -> tuple[Text, ...]:
     if summary.coverage is not None:
         intro.append(plain(summary.coverage.sentence()))
         if summary.coverage.workload:
-            intro.append(
-                rich(
-                    "Workload: your own script, `{script}` (the recipe's `workload:`; a trial's `script_args` follow "
-                    "it), run under each trial's strategy.",
-                    script=summary.coverage.workload,
-                )
-            )
+            intro.append(plain(f"Workload: {summary.coverage.workload}, under each trial's strategy."))
     intro.append(plain(noise_sentence(summary)))
     return tuple(intro)
 

@@ -11,6 +11,7 @@ import pytest
 from helpers.paths import SCRIPTS
 from helpers.runs import write_recipe
 
+from hfscale import report
 from hfscale.estimate import estimate_memory
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
@@ -67,3 +68,5 @@ def test_a_recipe_of_factories_sweeps_the_users_model_and_data(tmp_path: Path) -
         assert "TinyClassifier" in row["measured"]["verification"]["wrapper_class"]
         assert row["estimate"]["total_gib"] > 0  # estimated before it ran
     assert rows[1]["measured"]["verification"]["linear_output_dtype"] == "bfloat16"
+    workload = report.summarize_run(tmp_path / "run").coverage.workload
+    assert workload == "model factory user_factories.py:build_model, data factory user_factories.py:build_data"
