@@ -24,7 +24,7 @@ from hfscale.recipes.schema import RecipeError
 pytestmark = pytest.mark.slow
 
 SCRIPT = SCRIPTS / "hf_example.py"
-STRATEGIES = ["fp32", "bf16", "ckpt", "lora", "ddp-x2", "zero2-x2", "fsdp2-x2"]
+STRATEGIES = ["fp32", "bf16", "ckpt", "lora", "ddp-x2", "zero2-x2", "fsdp2-x2", "args-in-code"]
 
 
 def _recipe(tmp: Path) -> dict:
@@ -48,6 +48,7 @@ def _recipe(tmp: Path) -> dict:
             {"name": "fsdp2-x2", "num_processes": 2, "fsdp": {"version": 2, "sharding": "full_shard"}},
             {"name": "script-bf16", "script_args": ["--bf16", "--use_cpu"]},
             {"name": "exits-early", "script_args": ["--exit_early"]},
+            {"name": "args-in-code", "script_args": ["--args_in_code"]},
         ],
     }
 

@@ -5,9 +5,10 @@ Its arguments come from the command line through ``HfArgumentParser`` (its own m
 ``PreTrainedModel`` that hfscale does not build); its data are variable-length token sequences that its own collator
 pads per batch. ``hfscale sweep`` runs it unmodified under each trial's strategy (tests/scenarios/test_script.py):
 
-    python hf_example.py --output_dir out --per_device_train_batch_size 8 --max_steps 40 [--bf16] [--exit-early]
+    python hf_example.py --output_dir out --per_device_train_batch_size 8 [--bf16] [--exit_early] [--args_in_code]
 
-``--exit-early`` makes it return before training (a script that never trains must be a failed row).
+``--exit_early`` makes it return before training (a script that never trains must be a failed row);
+``--args_in_code`` builds its ``TrainingArguments`` in code instead of from the command line.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DataArguments:
     min_len: int = field(default=8, metadata={"help": "shortest sequence"})
     max_len: int = field(default=48, metadata={"help": "longest sequence"})
     exit_early: bool = field(default=False, metadata={"help": "return before training"})
+    args_in_code: bool = field(default=False, metadata={"help": "build TrainingArguments in code, not from argv"})
 
 
 class TinyConfig(PretrainedConfig):
@@ -110,6 +112,8 @@ def collate(batch: list[dict]) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+    if data_args.args_in_code:  # as a script that never parses its TrainingArguments does
+        training_args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, max_steps=1000, use_cpu=True)
     set_seed(training_args.seed)
     config = TinyConfig(hidden_size=model_args.hidden_size, num_layers=model_args.num_layers)
     model = TinyClassifier(config)
