@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,18 @@ def test_copies_finds_a_block_written_twice_and_nothing_in_distinct_code(tmp_pat
     assert "one.py" in copied.stdout and "two.py" in copied.stdout
     distinct = _tool("copies.py", str(_package(tmp_path / "b", {"one.py": one, "two.py": "def g(a):\n    return a\n"})))
     assert distinct.returncode == 0, distinct.stdout
+
+
+def test_a_killed_builds_lock_is_removed_and_a_running_builds_is_kept(tmp_path):
+    """A build killed midway left torch's lock file behind and the next CI run waited on it for 12 minutes."""
+    spec = importlib.util.spec_from_file_location("build_deepspeed_ops", REPO / "tools" / "build_deepspeed_ops.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    old, fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    now = fresh.stat().st_mtime
+    os.utime(old, (now - tool.STALE_LOCK_S - 60, now - tool.STALE_LOCK_S - 60))
+    assert tool.remove_stale_locks(tmp_path, now=now) == [old]
+    assert not old.exists() and fresh.exists()
