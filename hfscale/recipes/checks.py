@@ -116,6 +116,9 @@ def check_lengths(model: ModelSpec, data: DataSpec) -> None:
     """Refuse variable lengths that cannot be drawn, and packing where it means nothing (classification, or rows
     that are already full), at their keys."""
     lengths = data.lengths
+    if data.factory is not None and (lengths is not None or data.packing != "pad"):
+        key = "data.lengths" if lengths is not None else "data.packing"
+        raise Invalid(key, "shapes hfscale's dummy data: not with data.factory (your data set has its own lengths)")
     if data.packing == "pack" and lengths is None:
         raise Invalid("data.packing", "pack needs data.lengths: fixed-length rows are already full")
     if data.packing == "pack" and model.task != "causal_lm":

@@ -52,8 +52,9 @@ def _speedup_phrase(row: pd.Series, baseline: str | None) -> str:
 
 def _budget_phrase(summary: Summary, row: pd.Series) -> str:
     rec = summary.recommendation
-    kind = "reserved" if not is_missing(row.get("peak_reserved_gib")) else "measured"
-    fit = f"a peak of {row['fit_gib']:.3g} GiB ({kind})"
+    # The figure the budget is checked against, named as the recommendation names it (NVML, reserved peak, peak).
+    source = row.get("fit_source")
+    fit = f"{row['fit_gib']:.3g} GiB" + ("" if is_missing(source) else f" ({source})")
     if rec.budget_bytes is None:
         return f"needs {fit}; no memory budget was given"
     return f"needs {fit} of the {format_bytes(rec.budget_bytes)} budget ({rec.budget_source})"
@@ -73,7 +74,7 @@ def _recommended(summary: Summary) -> Text:
     )
     if summary.speed.noise.df >= 1:
         return sentence
-    return sentence + _advice(summary, "No trial ran twice, so the ranking is untested: to test it")
+    return sentence + _advice(summary, "No trial ran twice, so the ranking is untested: to test it", MIN_RUNS)
 
 
 def runs_to_decide(summary: Summary) -> int | None:
@@ -124,12 +125,11 @@ def _undecided(summary: Summary) -> Text:
         )
         return (*why, Span(" " + advice))
     idle = " on an idle machine (busy cores or GPUs flag a run as may be unstable)" if unstable else ""
-    return why + _advice(summary, "To decide", idle)
+    return why + _advice(summary, "To decide", runs, idle)
 
 
-def _advice(summary: Summary, lead: str, idle: str = "") -> Text:
-    """`` LEAD, run each trial N times (how) and about how long that takes.``"""
-    runs = runs_to_decide(summary) or MIN_RUNS
+def _advice(summary: Summary, lead: str, runs: int, idle: str = "") -> Text:
+    """`` LEAD, run each trial RUNS times (how) and about how long that takes.``"""
     return rich(
         " {lead}, run each trial {runs} times{idle} (`measure: {{repeats: {runs}}}`, or `--repeats {runs}`){cost}.",
         lead=lead,

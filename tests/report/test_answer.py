@@ -20,6 +20,8 @@ def test_one_run_each_names_the_choice_its_budget_and_the_runs_that_would_test_i
     text = as_plain(answer(summary))
     assert text.startswith("Use zero3 (fp32, default optimizer, ZeRO-3"), text
     assert "1.20x the baseline's samples/s, untested" in text and "of the 5 GiB budget" in text
+    fit = summary.trials.loc["zero3"]
+    assert f"needs {fit['fit_gib']:.3g} GiB ({fit['fit_source']}) of" in text  # the figure the budget was checked on
     assert "No trial ran twice, so the ranking is untested: to test it, run each trial 3 times" in text
     assert "`--repeats 3`" not in text and "--repeats 3" in text  # plain text: the code marks are gone
 

@@ -70,6 +70,10 @@ def test_bad_lengths_and_packing_are_refused_with_their_keys(tmp_path: Path) -> 
     bad["data"]["lengths"] = {"distribution": "histogram", "histogram": {16: 1.0, 128: 1.0}}
     with pytest.raises(RecipeError, match=r"data\.lengths\.histogram: .*not \[128\]"):
         load_recipe(write_recipe(tmp_path, bad))
+    factory = _recipe("pad")
+    factory["data"]["factory"] = "json:loads"  # any importable function: the lengths beside it are refused
+    with pytest.raises(RecipeError, match=r"data\.lengths: shapes hfscale's dummy data: not with data\.factory"):
+        load_recipe(write_recipe(tmp_path, factory))
 
 
 @pytest.mark.slow
