@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from hfscale.callbacks.base import _batch_counts, _rank_and_world, _SummaryCallback, _write_json
 from hfscale.callbacks.timing import _CudaEventTimer, _percentile, _PerfCounterTimer
@@ -20,6 +20,7 @@ from hfscale.measure.flops import (
     transformer_flops_per_token,
 )
 from hfscale.measure.readback import LinearDtypeProbe
+from hfscale.measure.warmup import MIN_STEPS, WarmupDetection, detect_warmup
 from hfscale.records.measurements import ThroughputSummary
 from hfscale.techniques.mesh import shared_batch
 
@@ -58,6 +59,14 @@ class ThroughputCallback(_SummaryCallback):
     shape of ``input_ids``; no device synchronisation), so a last partial batch counts what it held; the
     configured figure (batch x accumulation x world size) is kept beside it and a mismatch is logged.
 
+    ``warmup_steps="auto"`` reads the warm-up from the run instead of assuming it: after training,
+    :func:`hfscale.measure.warmup.detect_warmup` (MSER) runs on the times (the slowest rank's) of the steps no
+    evaluation or save interrupted, and the steps up to the detected end are left out as a fixed warm-up of that
+    length would be. The summary's ``warmup_steps`` holds that count, ``warmup_detected`` is True, and
+    ``steady_state`` is False (with a warning) when the end falls in the second half of the run: the step times were
+    still falling or drifting (on a short run MSER sometimes calls a steady run unsteady: docs/callbacks.md gives
+    the rates).
+
     Across ranks, each step's time is the slowest rank's, and samples and tokens are summed over ranks.
     MFU = tokens/s x FLOPs per token / (peak FLOP/s x world size), with FLOPs per token from
     :mod:`hfscale.measure.flops` (``6 * N + 12 * L * H * T``, PaLM appendix B; N without embedding tables, the output
@@ -72,7 +81,9 @@ class ThroughputCallback(_SummaryCallback):
 
     Too few steps: when training has fewer than ``warmup_steps + 2`` optimizer steps, a warning is logged at train
     begin, and the figures that need measured steps are None (the run is not stopped: memory figures and the
-    Trainer's own results are still worth having).
+    Trainer's own results are still worth having). Under ``"auto"`` the warning comes below the
+    :data:`~hfscale.measure.warmup.MIN_STEPS` = 4 steps a warm-up is detected on: nothing is then left out, and
+    ``steady_state`` is False.
 
     Logged once, at the end of the last step, through ``Trainer.log``:
 
@@ -85,30 +96,35 @@ class ThroughputCallback(_SummaryCallback):
     ``throughput/mfu``                  model FLOPs utilisation (where the peak is known)
     ``throughput/measured_steps``       steps in the figures
     ``throughput/samples_per_step``     samples per optimizer step, all ranks
+    ``throughput/warmup_steps``         leading steps left out (``"auto"`` only: the detected warm-up)
+    ``throughput/steady_state``         1 when the run reached a steady state, else 0 (``"auto"`` only)
     =================================== ========================================================================
 
     After training, ``summary`` holds a :class:`ThroughputSummary` (on every rank).
 
     Args:
-        warmup_steps: optimizer steps left out at the start (compilation, allocator growth, caches).
+        warmup_steps: optimizer steps left out at the start (compilation, allocator growth, caches), or
+            ``"auto"`` to detect them from the run's step times.
         peak_flops: one device's peak FLOP/s, overriding the table (and giving an MFU on CPU).
         flops_per_token: model FLOPs per trained token, overriding the formula.
         output_path: where the main process writes ``summary.to_dict()`` as JSON; None writes nothing.
 
     Raises:
-        ValueError: for a negative ``warmup_steps`` or a non-positive ``peak_flops`` / ``flops_per_token``.
+        ValueError: for a ``warmup_steps`` that is neither an integer >= 0 nor ``"auto"``, or a non-positive
+            ``peak_flops`` / ``flops_per_token``.
     """
 
     def __init__(
         self,
-        warmup_steps: int = 5,
+        warmup_steps: int | Literal["auto"] = 5,
         *,
         peak_flops: float | None = None,
         flops_per_token: float | None = None,
         output_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps!r}")
+        fixed = isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0
+        if not fixed and warmup_steps != "auto":
+            raise ValueError(f'warmup_steps: expected an integer >= 0 or "auto", got {warmup_steps!r}')
         if peak_flops is not None and not peak_flops > 0:
             raise ValueError(f"peak_flops: expected a positive FLOP/s figure, got {peak_flops!r}")
         if flops_per_token is not None and not flops_per_token > 0:
@@ -150,16 +166,28 @@ class ThroughputCallback(_SummaryCallback):
                 # Upstream of the first trainable parameter no gradient flows: read where, once (hooks would be
                 # traced into a compiled graph, so not under torch_compile).
                 self._flow_probe = GradientFlowProbe(model)
-        if state.max_steps < self.warmup_steps + 2:
-            logger.warning(
-                "ThroughputCallback: training has %d optimizer steps, fewer than warmup_steps + 2 = %d: throughput "
-                "figures will be None; train longer or lower warmup_steps",
-                state.max_steps,
-                self.warmup_steps + 2,
-            )
+        self._warn_if_short(state.max_steps)
         on_cuda = torch.device(args.device).type == "cuda"
         self._timer: _PerfCounterTimer | _CudaEventTimer = _CudaEventTimer() if on_cuda else _PerfCounterTimer()
         self._timer.mark()
+
+    def _warn_if_short(self, max_steps: int) -> None:
+        if isinstance(self.warmup_steps, int):
+            if max_steps < self.warmup_steps + 2:
+                logger.warning(
+                    "ThroughputCallback: training has %d optimizer steps, fewer than warmup_steps + 2 = %d: "
+                    "throughput figures will be None; train longer or lower warmup_steps",
+                    max_steps,
+                    self.warmup_steps + 2,
+                )
+        elif max_steps < MIN_STEPS:
+            logger.warning(
+                "ThroughputCallback: training has %d optimizer steps, fewer than the %d a warm-up is detected on "
+                '(warmup_steps="auto"): no step will be left out and steady_state will be False; train longer or '
+                "give warmup_steps as a number",
+                max_steps,
+                MIN_STEPS,
+            )
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._dirty = True
@@ -265,7 +293,8 @@ class ThroughputCallback(_SummaryCallback):
         accumulation = int(getattr(args, "gradient_accumulation_steps", 1))
         configured = int(args.train_batch_size) * accumulation * world // samples_shared
         samples = _counted_or_configured(steps.samples, configured)
-        measured = [k for k in range(n) if k >= self.warmup_steps and not steps.interrupted[k]]
+        warmup, detection = self._warmup(steps)
+        measured = [k for k in range(n) if k >= warmup and not steps.interrupted[k]]
         samples_per_step = max(samples) if samples else None
         if samples_per_step is not None and samples_per_step != configured:
             logger.warning(
@@ -278,7 +307,9 @@ class ThroughputCallback(_SummaryCallback):
         dtype = compute_dtype(args, observed=observed)
         device_name = _device_name(args.device)
         common: dict[str, Any] = dict(
-            warmup_steps=self.warmup_steps,
+            warmup_steps=warmup,
+            warmup_detected=detection is not None,
+            steady_state=detection.steady if detection is not None else None,
             samples_per_step=samples_per_step,
             world_size=world,
             peak_flops_per_s=self.peak_flops if self.peak_flops is not None else peak_flops_per_s(device_name, dtype),
@@ -286,7 +317,7 @@ class ThroughputCallback(_SummaryCallback):
             compute_dtype=dtype,
             timer=self._timer.kind,
             total_steps=n,
-            interrupted_steps=sum(steps.interrupted[self.warmup_steps :]),
+            interrupted_steps=sum(steps.interrupted[warmup:]),
             samples_per_step_configured=configured,
             first_step_s=steps.step_s[0] if n else None,  # compilation lands here under torch.compile
         )
@@ -297,7 +328,7 @@ class ThroughputCallback(_SummaryCallback):
             "the throughput figures are None",
             n,
             len(measured),
-            self.warmup_steps,
+            warmup,
         )
         return ThroughputSummary(
             samples_per_s=None,
@@ -311,6 +342,31 @@ class ThroughputCallback(_SummaryCallback):
             mfu=None,
             **common,
         )
+
+    def _warmup(self, steps: _Steps) -> tuple[int, WarmupDetection | None]:
+        """The leading steps to leave out: the given count, or the one detected (with its detection) under
+        ``"auto"``."""
+        if isinstance(self.warmup_steps, int):
+            return self.warmup_steps, None
+        warmup, detection = _detected_warmup(steps.step_s, steps.interrupted)
+        kept = len(steps.step_s) - sum(steps.interrupted)
+        if kept < MIN_STEPS:
+            logger.warning(
+                "ThroughputCallback: %d uninterrupted optimizer steps, fewer than the %d a warm-up is detected on: "
+                "no step is left out and steady_state is False",
+                kept,
+                MIN_STEPS,
+            )
+        elif not detection.steady:
+            logger.warning(
+                "ThroughputCallback: the run did not reach a steady state: the step times settle only after %d of "
+                "its %d uninterrupted steps (%s), past half the run, so the figures describe a run still warming up "
+                "or drifting; train longer",
+                detection.steps,
+                kept,
+                detection.method,
+            )
+        return warmup, detection
 
     def _figures(
         self, args: Any, steps: _Steps, samples: list[int], measured: list[int], common: dict[str, Any]
@@ -365,6 +421,15 @@ class _Steps:
     """Steps that held an evaluation or a checkpoint save on any rank."""
     real_tokens: list[int | None]
     """Tokens not padding (attention mask), all ranks; None for a step where a rank's batches had no mask."""
+
+
+def _detected_warmup(step_s: list[float], interrupted: list[bool]) -> tuple[int, WarmupDetection]:
+    """MSER on the times of the steps no evaluation or save interrupted (their time is not the training's), and
+    the leading steps to leave out so that exactly the detected number of those is: an interrupted step before the
+    detected end is left out with them, as a fixed warm-up of that length would leave it out."""
+    kept = [k for k, cut in enumerate(interrupted) if not cut]
+    detection = detect_warmup([step_s[k] for k in kept])
+    return (kept[detection.steps - 1] + 1 if detection.steps else 0), detection
 
 
 def _read_counts(counts: list[Any]) -> list[int | None]:

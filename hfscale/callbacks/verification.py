@@ -39,7 +39,8 @@ class VerificationCallback(_TrainerBoundCallback):
 
     Cost: the check runs once; under several processes it gathers two small objects from every rank (parameters
     held and the mismatches, so every rank stops or goes on together), which falls in the second timed step of a
-    :class:`ThroughputCallback` (a warm-up step unless ``warmup_steps`` < 2). Every rank must have this callback.
+    :class:`ThroughputCallback` (a warm-up step unless ``warmup_steps`` < 2; under ``"auto"`` only when the detected
+    warm-up reaches it, else its small cost is measured with that step). Every rank must have this callback.
 
     Logged keys (``verify/`` + every field of :class:`hfscale.measure.verify.VerificationRecord` that was read, flags as
     0/1 and lists joined with commas):

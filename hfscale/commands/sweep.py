@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     groups: dict[str | None, Any] = {
         None: parser,
         "memory": parser.add_argument_group("memory estimate and batch search"),
+        "search": parser.add_argument_group(
+            "adaptive search",
+            "stop running trials that cannot win (docs/search.md); the question is the fastest "
+            "trial that fits the memory budget, or with --min-samples-per-s the least memory at that speed",
+        ),
     }
     hints = typing.get_type_hints(SweepSettings)
     for f in dataclasses.fields(SweepSettings):
@@ -295,12 +300,14 @@ def _finish(outcome: SweepOutcome) -> int:
 def done_line(outcome: SweepOutcome) -> str:
     """``done: RUN: 1 row added (1 ok, 0 not ok); 4 of the recipe's 4 trials have rows``: a resumed sweep adds only
     what was missing, so its own count alone reads as if trials were missing."""
-    failed = sum(r.status != "ok" for r in outcome.rows)
+    decided = sum(r.search is not None for r in outcome.rows)  # an adaptive search's skipped and pruned rows
+    failed = sum(r.status != "ok" for r in outcome.rows) - decided
     added = len(outcome.rows)
     have, of = len(outcome.trials_with_rows), len(outcome.recipe_trials)
+    by_search = f", {decided} skipped or pruned by the search" if decided else ""
     return (
-        f"done: {outcome.run_dir}: {added} row{'' if added == 1 else 's'} added ({added - failed} ok, {failed} not "
-        f"ok); {have} of the recipe's {of} trials {'has' if have == 1 else 'have'} rows"
+        f"done: {outcome.run_dir}: {added} row{'' if added == 1 else 's'} added ({added - failed - decided} ok, "
+        f"{failed} not ok{by_search}); {have} of the recipe's {of} trials {'has' if have == 1 else 'have'} rows"
     )
 
 

@@ -1,4 +1,4 @@
-"""Text as the tool prints it: one line, cut to a width."""
+"""Text as the tool prints it: one line, cut to a width; a duration as a clock."""
 
 from __future__ import annotations
 
@@ -7,3 +7,9 @@ def short(text: str, limit: int = 100) -> str:
     """``text`` on one line, cut to ``limit`` characters."""
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03``: a duration in hours, minutes and seconds (whole seconds, rounded down)."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"

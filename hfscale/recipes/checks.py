@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, get_args, get_origin
 
-from hfscale.core.validation import Invalid, float_text, join_path
+from hfscale.core.validation import Invalid, float_text, join_path, show_value
 from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
 
 # TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
@@ -296,8 +296,13 @@ def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
 
 def check_measure(measure: MeasureSpec, path: str) -> None:
     """Range checks for :class:`~hfscale.workload.spec.MeasureSpec` (the dataclass itself only holds the values)."""
-    if measure.warmup_steps < 0:
-        raise Invalid(join_path(path, "warmup_steps"), f"expected 0 or more, got {measure.warmup_steps}")
+    warmup = measure.warmup_steps
+    if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise Invalid(
+            join_path(path, "warmup_steps"),
+            f"expected an integer 0 or more, or 'auto' to detect the warm-up from each run's step times, got "
+            f"{show_value(warmup)}",
+        )
     if measure.max_steps is not None and measure.max_steps < 1:
         raise Invalid(join_path(path, "max_steps"), f"expected a positive integer or null, got {measure.max_steps}")
     if measure.num_epochs <= 0:

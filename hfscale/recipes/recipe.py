@@ -38,6 +38,7 @@ written in :mod:`hfscale.recipes.entries`, and the checks beyond types in :mod:`
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     baseline = data.get("baseline", trials[0].name)
     convert(str, baseline, "baseline")
     _check_names(trials, baseline)
+    _check_search(sweep, trials)
     return Recipe(
         name=name,
         description=description,
@@ -292,6 +294,31 @@ def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSp
     return None if script is None else ScriptSpec(path=script.path, args=(*script.args, *extra))
 
 
+def _check_search(sweep: SweepOptions, trials: list[RecipeTrial]) -> None:
+    if sweep.search == "adaptive" and (refusal := adaptive_refusal(trials)) is not None:
+        raise Invalid(*refusal)
+
+
+def adaptive_refusal(trials: Sequence[RecipeTrial]) -> tuple[str, str] | None:
+    """What an adaptive search cannot do yet, as (key path, why): decide the run count together with
+    ``measure.target_precision`` (both would), or compare at the largest batch only (``batch: max``: the own
+    batch's run is a probe there, not a contender). None when it can run these trials."""
+    for trial in trials:
+        if trial.spec.measure.target_precision is not None:
+            return (
+                join_path(trial.source, "measure.target_precision"),
+                "an adaptive search (sweep.search, --search) decides the run count itself; remove target_precision "
+                "or search the grid",
+            )
+        if trial.batch == "max":
+            return (
+                join_path(trial.source, "batch"),
+                "an adaptive search (sweep.search, --search) compares each trial at its own batch and at its largest "
+                "(batch: both); batch: max is not supported with it",
+            )
+    return None
+
+
 def _check_names(trials: list[RecipeTrial], baseline: str) -> None:
     """The baseline is a trial, and no trial has the name of another's max-batch row (``sweep.batch``)."""
     seen = {t.name: t.source for t in trials}
@@ -333,6 +360,7 @@ def shipped_recipes() -> list[ShippedRecipe]:
 __all__ = [
     "OWNED_TRAINING_ARGS",
     "REFUSED_TRAINING_ARGS",
+    "adaptive_refusal",
     "load_recipe",
     "parse_recipe",
     "read_trial_names",

@@ -40,6 +40,7 @@ class RunSpec:
 
 
 BatchMode = Literal["fixed", "max", "both"]
+SearchMode = Literal["grid", "adaptive"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +57,32 @@ class SweepOptions:
     max_batch_limit: int | None = None
     """Largest per-device batch the search tries (``--max-batch-limit`` overrides it). Set it on CPU: without a
     ``run.memory_limit_gib`` nothing runs out of memory there, and the search would double up to 1024."""
+    search: SearchMode = "grid"
+    """``grid``: every trial runs ``measure.repeats`` times. ``adaptive``: trials the estimate says cannot fit are
+    skipped, every other runs once (short), trials slower than the leader beyond the noise are pruned, and repeats
+    go to the contenders until the answer is decided (``docs/search.md``). ``--search`` overrides it."""
+    memory_budget_gib: float | None = None
+    """Memory per device the answer must fit, in GiB (``--memory-budget`` overrides it; default: the GPU's
+    memory, none on CPU)."""
+    min_samples_per_s: float | None = None
+    """Ask for the trial with the least memory whose samples/s is at least this, instead of the fastest that fits
+    (``--min-samples-per-s`` overrides it)."""
+    max_time_s: float | None = None
+    """Adaptive: start no run once the runs took this many seconds of wall time in all (``--max-time``)."""
+    max_runs: int | None = None
+    """Adaptive: run at most this many (``--max-runs``)."""
 
     def __post_init__(self) -> None:
         if self.batch not in ("fixed", "max", "both"):
             raise ValueError(f"batch: expected one of 'fixed', 'max', 'both', got {self.batch!r}")
+        if self.search not in ("grid", "adaptive"):
+            raise ValueError(f"search: expected one of 'grid', 'adaptive', got {self.search!r}")
+        for name in ("memory_budget_gib", "min_samples_per_s", "max_time_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: expected a number above 0, got {value!r}")
+        if self.max_runs is not None and self.max_runs < 1:
+            raise ValueError(f"max_runs: expected a positive integer, got {self.max_runs!r}")
         limit = self.max_batch_limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"max_batch_limit: expected a positive integer, got {limit!r}")

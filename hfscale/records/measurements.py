@@ -154,6 +154,7 @@ class ThroughputSummary:
     measured_steps: int
     """Optimizer steps in the figures: all steps but the warm-up and those interrupted by evaluation or saving."""
     warmup_steps: int
+    """Leading optimizer steps left out of the figures: the count given, or the one detected (``warmup_detected``)."""
     samples_per_step: int | None
     """Samples per optimizer step, all ranks together, as counted from the batches the model received (a full
     step: per-device batch x gradient accumulation x world size)."""
@@ -189,10 +190,16 @@ class ThroughputSummary:
     """Tokens that are not padding (the batches' ``attention_mask``) per second, all ranks together; None when the
     batches carry no attention mask. Beside ``tokens_per_s`` it shows what padding costs."""
     first_step_s: float | None = None
-    """The first optimizer step's time (the slowest rank's), a warm-up step left out of the figures above: under
-    ``torch.compile`` it holds the compilation (README, "Compilation, attention kernels, TF32 and Liger": seconds
-    to minutes against milliseconds per steady step), so compile cost is read here and steady-state speed above.
-    None when no step was timed."""
+    """The first optimizer step's time (the slowest rank's), a warm-up step left out of the figures above (unless
+    the warm-up, given or detected, is 0 steps): under ``torch.compile`` it holds the compilation (README,
+    "Compilation, attention kernels, TF32 and Liger": seconds to minutes against milliseconds per steady step), so
+    compile cost is read here and steady-state speed above. None when no step was timed."""
+    warmup_detected: bool = False
+    """Whether ``warmup_steps`` was detected from the run's step times (``warmup_steps: auto``,
+    :mod:`hfscale.measure.warmup`) rather than given; False in rows written before detection existed."""
+    steady_state: bool | None = None
+    """Whether the run reached a steady state (the detected warm-up ends in the first half of the run); None when
+    the warm-up was given, not detected."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -215,6 +222,9 @@ class ThroughputSummary:
             "throughput/measured_steps": self.measured_steps,
             "throughput/samples_per_step": self.samples_per_step,
         }
+        if self.warmup_detected:  # a given warm-up is the user's own number: not logged back
+            out["throughput/warmup_steps"] = self.warmup_steps
+            out["throughput/steady_state"] = None if self.steady_state is None else int(self.steady_state)
         return {k: v for k, v in out.items() if v is not None}
 
 

@@ -25,16 +25,19 @@ from hfscale.records.batch import BatchSearchRecord
 from hfscale.records.estimate import MemoryEstimate
 from hfscale.records.measurements import MemorySummary, ThroughputSummary, VerificationRecord
 from hfscale.records.parity import ParityResult
+from hfscale.records.search import SearchDecision
 from hfscale.strategy import Strategy
 
 SCHEMA_VERSION = 2
 """Bumped when a field changes meaning or moves (adding an optional field does not); :func:`migrate_row` reads
 every earlier version."""
 
-TrialStatus = Literal["ok", "oom", "crashed", "timeout", "not_applied", "skipped"]
+TrialStatus = Literal["ok", "oom", "crashed", "timeout", "not_applied", "skipped", "pruned"]
 """ok: trained and verified; oom: ran out of device or host memory; crashed: any other non-zero exit or signal;
 timeout: killed after the per-trial limit; not_applied: ran, but the strategy asked for is not what ran;
-skipped: not run (missing optional dependency, predicted out of memory), with the reason."""
+skipped: not run (missing optional dependency, predicted out of memory), with the reason; pruned: not run again
+because an adaptive search found the trial slower than the leader (or than its throughput floor) beyond the noise:
+no run, a marker whose ``search`` holds the evidence (the trial's runs are its ok rows)."""
 
 TRIAL_STATUSES: tuple[str, ...] = get_args(TrialStatus)
 """Every :data:`TrialStatus`, in the order written there (read from the Literal, so they are listed once)."""
@@ -183,6 +186,9 @@ class TrialResult:
     stopping: str | None = None
     """How the trial's number of runs is decided when the recipe does not fix it (``measure.target_precision``):
     the sequential rule, so a reader knows the run count followed the results (None: a fixed count)."""
+    search: SearchDecision | None = None
+    """Why an adaptive search did not run the trial (``skipped`` by the estimate) or stopped running it
+    (``pruned``), with the evidence (:mod:`hfscale.sweep.search`); None on every other row."""
 
     def __post_init__(self) -> None:
         if self.status not in TRIAL_STATUSES:

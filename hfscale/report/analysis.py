@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 from hfscale.core.units import GIB
 from hfscale.records.batch import BatchSearchRecord
 from hfscale.records.row import TrialResult
+from hfscale.records.search import SearchSummary
 from hfscale.report.coverage import Coverage, coverage
 from hfscale.report.noise import NOISE_KEYS, against, sweep_columns, trial_noise
 from hfscale.report.ranks import rank_memory_records
 from hfscale.report.recommend import Recommendation, pareto_front, recommend
 from hfscale.report.trials import MEDIANS, describe, group_rows, record_keys, run_record, trial_record
 from hfscale.results.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
-from hfscale.results.run_folder import RESULTS_FILE, RunFolder
+from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, RunFolder
 from hfscale.results.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ class Summary:
     """``--price-per-hour``: the price of one device for an hour, for the cost columns."""
     machines: tuple[MachineEnvironment, ...] = ()
     """Each machine's environment record (``machines/``), by machine rank; empty for one-machine runs."""
+    search: SearchSummary | None = None
+    """How an adaptive search decided (``search.json``); None for a grid sweep."""
     rank_memory: tuple[dict[str, Any], ...] = ()
     """Per trial whose ranks ran on several machines: each rank's peak with its machine
     (:func:`hfscale.report.ranks.rank_memory_records`); empty when none did."""
@@ -249,10 +252,14 @@ def _unmeasured_note(base: pd.Series) -> str:
 def _budget(
     memory_budget_bytes: int | None, environment: Mapping[str, Any], machines: Sequence[MachineEnvironment]
 ) -> tuple[int | None, str]:
-    """The per-device memory budget and where it comes from: ``--memory-budget``, else the GPU memory the
+    """The per-device memory budget and where it comes from: ``--memory-budget``, else the budget the sweep
+    recorded (its settings in ``environment.json``: the recipe's or its command line's), else the GPU memory the
     environment records (the smallest of any machine's), else none."""
-    if memory_budget_bytes is not None:
+    recorded = (environment.get("sweep") or {}).get("memory_budget_bytes")
+    if memory_budget_bytes is not None and memory_budget_bytes != recorded:
         return memory_budget_bytes, "--memory-budget"
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded, "the sweep's budget: the recipe's sweep.memory_budget_gib or --memory-budget"
     budget = gpu_memory_bytes(environment)
     source = "the GPU memory environment.json records" if budget is not None else "none"
     # every rank must fit: the smallest GPU of any machine (only machine 0's is in environment.json)
@@ -314,7 +321,11 @@ def summarize_run(
         machines = read_machine_environments(path)
     except ValueError as exc:  # the message names the machine's file
         raise ReportError(str(exc)) from exc
-    return summarize(
+    try:
+        search = folder.search()
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ReportError(f"{path / SEARCH_FILE}: cannot be read: {exc}") from exc
+    summary = summarize(
         rows,
         environment=environment,
         memory_budget_bytes=memory_budget_bytes,
@@ -323,6 +334,7 @@ def summarize_run(
         coverage=coverage(folder, (r.trial for r in rows)),
         machines=machines,
     )
+    return dataclasses.replace(summary, search=search)
 
 
 def load_run(

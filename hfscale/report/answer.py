@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from hfscale.report.columns import is_missing
 from hfscale.report.machine import format_bytes
 from hfscale.report.text import Span, Text, rich
+from hfscale.report.trace import search_sentence
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -140,10 +141,17 @@ def _advice(summary: Summary, lead: str, runs: int, idle: str = "") -> Text:
 
 
 def answer(summary: Summary) -> Text:
-    """One sentence (two where the advice needs them) that answers the report's question."""
-    if summary.recommendation.fastest is not None:
-        return _recommended(summary)
-    return _undecided(summary)
+    """One sentence (two where the advice needs them) that answers the report's question; after an adaptive
+    search, what it spent and why it stopped (and its own answer when it asked for the least memory)."""
+    search = summary.search
+    if search is not None and search.min_samples_per_s is not None:
+        if search.answer is None:
+            return rich("No trial answers {question}.", question=search.question) + search_sentence(search)
+        return rich("Use **{name}**: {question}.", name=search.answer, question=search.question) + search_sentence(
+            search
+        )
+    said = _recommended(summary) if summary.recommendation.fastest is not None else _undecided(summary)
+    return said if search is None else said + search_sentence(search)
 
 
 __all__ = ["answer", "runs_to_decide"]

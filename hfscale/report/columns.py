@@ -124,7 +124,10 @@ def _notes_cell(row: Row) -> str:
     if row.get("verdict") == "untested" and two_runs and not row.get("unstable"):
         notes.append(f"speed untested: {short(row['verdict_reason'], 80)}")
     if not is_missing(row.get("stopping")):
-        notes.append(f"runs stopped sequentially ({row.get('repeats_n')} runs)")
+        how = "adaptive search" if str(row["stopping"]).startswith("adaptive") else "runs stopped sequentially"
+        notes.append(f"{how} ({row.get('repeats_n')} runs)")
+    if not is_missing(row.get("pruned")):
+        notes.append(f"pruned: {short(row['pruned'], 80)}")
     if row.get("parity_status") == "flagged":
         reason = row.get("parity_reason")
         notes.append("loss flagged" + ("" if is_missing(reason) else f": {short(reason, 60)}"))
@@ -376,6 +379,8 @@ def flags(row: Row) -> tuple[tuple[str, str], ...]:
         out.append(("untested", short(row.get("verdict_reason"), 300)))
     if row.get("parity_status") == "flagged":
         out.append(("loss flagged", short(row.get("parity_reason"), 300) or "no reason recorded"))
+    if not is_missing(row.get("pruned")):
+        out.append(("pruned", short(row.get("pruned"), 300)))
     if not is_missing(row.get("max_batch_of")):
         out.append(("max batch", f"{row['max_batch_of']} at its largest batch: compare samples/s, not step time"))
     return tuple(out)

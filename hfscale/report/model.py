@@ -13,6 +13,7 @@ from hfscale.report.columns import MEMORY_COLUMNS, SLIM_COLUMNS, Align, Column, 
 from hfscale.report.machine import env_header, env_items
 from hfscale.report.ranks import MACHINE_HEADERS, MACHINES_NOTE, RANK_COLUMNS, RANK_NOTE, machine_rows
 from hfscale.report.text import Text, plain, rich
+from hfscale.report.trace import search_items, search_paragraphs
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -124,7 +125,7 @@ def row_class(row: Mapping[str, Any]) -> str:
         return "fail"
     if row["status"] == "not_applied" or row.get("parity_status") == "flagged":
         return "warn"
-    if row["status"] == "skipped":
+    if row["status"] == "skipped" or row.get("pruned"):
         return "skip"
     return "rec" if row.get("recommended") else ""
 
@@ -324,6 +325,7 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
     sections = [
         *_first_screen(summary, rows, ranking),
         Section(title="Recommendation", items=summary.recommendation.lines),
+        *_search_sections(summary),
         Section(title="This run", paragraphs=_intro(summary)),
         env,
         *_machine_sections(summary),
@@ -339,7 +341,7 @@ def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:
             title="Memory", table=Table.of(MEMORY_COLUMNS, rows, row_class=row_class), notes=(rich(BREAKDOWN_NOTE),)
         ),
         *_rank_and_batch_sections(summary),
-        *_failure_sections(rows),
+        *_failure_sections(rows, summary),
         *([full_env] if full_env is not None else []),
         Section(
             title="Definitions",
@@ -418,9 +420,25 @@ def _rank_and_batch_sections(summary: Summary) -> list[Section]:
     return sections
 
 
-def _failure_sections(rows: Sequence[Mapping[str, Any]]) -> list[Section]:
-    """A heading, then each trial that did not finish ok: why, and the end of its stderr."""
-    failures = [r for r in rows if r["status"] != "ok"]
+def _search_sections(summary: Summary) -> list[Section]:
+    """How an adaptive search decided (none for a grid sweep)."""
+    if summary.search is None:
+        return []
+    return [
+        Section(
+            title="How the search decided",
+            anchor="search",
+            paragraphs=search_paragraphs(summary.search),
+            items=search_items(summary.search),
+        )
+    ]
+
+
+def _failure_sections(rows: Sequence[Mapping[str, Any]], summary: Summary) -> list[Section]:
+    """A heading, then each trial that did not finish ok: why, and the end of its stderr (a trial an adaptive
+    search skipped or pruned is in the search's own section)."""
+    decided = {d.trial for d in summary.search.trace} if summary.search is not None else set()
+    failures = [r for r in rows if r["status"] != "ok" and r["trial"] not in decided]
     if not failures:
         return []
     sections = [Section(title="Trials that did not finish ok")]

@@ -271,6 +271,8 @@ class _Pool:
 
 def _pool(frame: pd.DataFrame) -> _Pool:
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
+    if "pruned" in ok:  # an adaptive search found them slower than its leader beyond the noise
+        ok = ok[ok["pruned"].isna()]
     flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
     flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
     if "unstable" not in candidates:
@@ -352,9 +354,13 @@ def _memory_note(candidates: pd.DataFrame) -> Text:
     )
 
 
-def _left_out_lines(pool: _Pool) -> list[Text]:
-    """The ok trials not recommended, and why: may be unstable (not on speed), or a loss the parity check flagged."""
+def _left_out_lines(pool: _Pool, frame: pd.DataFrame) -> list[Text]:
+    """The ok trials not recommended, and why: may be unstable (not on speed), a loss the parity check flagged, or
+    pruned by an adaptive search."""
     lines = []
+    if "pruned" in frame and frame["pruned"].notna().any():
+        names = ", ".join(str(name) for name in frame.loc[frame["pruned"].notna(), "trial"])
+        lines.append(rich("Pruned by the adaptive search (How the search decided, below): {names}.", names=names))
     if not pool.unstable.empty:
         names = "; ".join(f"{r['trial']} ({r['unstable_reason']})" for _, r in pool.unstable.iterrows())
         lines.append(rich("Not recommended on speed because they may be unstable: {names}.", names=names))
@@ -367,10 +373,10 @@ def _left_out_lines(pool: _Pool) -> list[Text]:
 def recommend(
     frame: pd.DataFrame, budget: int | None, source: str, evidence: SweepNoise | None = None
 ) -> Recommendation:
-    """Only ok trials with throughput and memory measured, and a loss the parity check did not flag, qualify; a
-    budget is checked against ``fit_gib`` (what the device had to hold: NVML process memory, else the allocator's
-    reserved peak, else the peak). Trials flagged "may be unstable" are not recommended on speed. Ties (see
-    :mod:`hfscale.report.noise`) are named as ties and broken by the other axis."""
+    """Only ok trials with throughput and memory measured, a loss the parity check did not flag, and not pruned by
+    an adaptive search, qualify; a budget is checked against ``fit_gib`` (what the device had to hold: NVML process
+    memory, else the allocator's reserved peak, else the peak). Trials flagged "may be unstable" are not recommended
+    on speed. Ties (see :mod:`hfscale.report.noise`) are named as ties and broken by the other axis."""
     evidence = evidence if evidence is not None else sweep_noise({})
     pool = _pool(frame)
     if pool.candidates.empty:
@@ -383,7 +389,7 @@ def recommend(
     frugal, said = _frugal_lines(pool.candidates, evidence)
     lines += said
     lines.append(_memory_note(pool.candidates))
-    lines += _left_out_lines(pool)
+    lines += _left_out_lines(pool, frame)
     return Recommendation(
         budget_bytes=budget,
         budget_source=source,

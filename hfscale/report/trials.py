@@ -18,7 +18,8 @@ def describe(row: TrialResult) -> str:
 
 def group_rows(rows: Sequence[TrialResult]) -> list[tuple[str, list[TrialResult]]]:
     """Rows grouped into trials, in order of first appearance: the repeats of a trial (``repeats`` > 1) form one
-    group; any other name that comes again gets ``#2``, ``#3``... so no row is hidden."""
+    group, and so does a ``pruned`` row with the runs of its trial; any other name that comes again gets ``#2``,
+    ``#3``... so no row is hidden."""
     groups: dict[tuple[str, bool], list[TrialResult]] = {}
     names: dict[tuple[str, bool], str] = {}
     taken: set[str] = set()
@@ -31,30 +32,44 @@ def group_rows(rows: Sequence[TrialResult]) -> list[tuple[str, list[TrialResult]
         taken.add(name)
         return name
 
+    home: dict[str, tuple[str, bool]] = {}  # each trial's latest group
     for row in rows:
+        if row.status == "pruned" and row.trial in home:  # the search's last word on a trial joins its runs
+            groups[home[row.trial]].append(row)
+            continue
         if row.repeats > 1:
             key = (row.trial, True)
             if key not in groups:
                 names[key] = fresh(row.trial)
             groups.setdefault(key, []).append(row)
+            home[row.trial] = key
             continue
         key = (fresh(row.trial), False)
         names[key] = key[0]
         groups[key] = [row]
+        home[row.trial] = key
     return [(names[key], group) for key, group in groups.items()]
 
 
 def group_status(group: Sequence[TrialResult]) -> tuple[str, str | None]:
-    """A trial's status over its repeats: ok only when every repeat is; else the first real failure."""
-    failures = [(k, r) for k, r in enumerate(group, 1) if r.status != "ok"]
+    """A trial's status over its repeats: ok only when every repeat is; else the first real failure. An adaptive
+    search's ``pruned`` row is no run: it leaves the status to the runs (:func:`pruned_reason` says it)."""
+    runs = [r for r in group if r.status != "pruned"] or list(group)
+    failures = [(k, r) for k, r in enumerate(runs, 1) if r.status != "ok"]
     if not failures:
         return "ok", None
     k, worst = next(((k, r) for k, r in failures if r.status != "skipped"), failures[0])
-    if len(group) == 1:
+    if len(runs) == 1:
         return worst.status, worst.reason
-    n_ok = len(group) - len(failures)
-    reason = f"repeat {k} of {len(group)}: {worst.reason or worst.status}"
+    n_ok = len(runs) - len(failures)
+    reason = f"repeat {k} of {len(runs)}: {worst.reason or worst.status}"
     return worst.status, reason + (f"; {n_ok} repeat(s) ok" if n_ok else "")
+
+
+def pruned_reason(group: Sequence[TrialResult]) -> str | None:
+    """Why an adaptive search stopped running the trial (its ``pruned`` row), or None: it was measured, and is
+    never recommended."""
+    return next((r.reason for r in group if r.status == "pruned"), None)
 
 
 def parity_status(row: TrialResult) -> str | None:
@@ -155,7 +170,8 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
         "status": status,
         "reason": reason,
         "is_baseline": any(r.is_baseline for r in group),
-        "runs": len(group),
+        "runs": sum(r.status != "pruned" for r in group),
+        "pruned": pruned_reason(group),
         "stopping": next((r.stopping for r in group if r.stopping), None),
         "world_size": world,
         "peak_gib": memory.peak_gib if memory else None,

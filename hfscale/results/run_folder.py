@@ -8,6 +8,7 @@ This module is the one place that knows the layout::
                            adds an entry to its "resumed" list (with the settings that resumed run used)
       results.jsonl        one TrialResult per line, appended (and fsynced) as each trial ends; a later line of the
                            same (trial, repeat) supersedes an earlier one (the batch search is appended that way)
+      search.json          how an adaptive search ended (hfscale.sweep.search); absent for a grid sweep
       results.corrupt.jsonl   lines of results.jsonl that were not valid rows, moved aside by --resume
       trials/NAME/         generated configs (accelerate.yaml, deepspeed.json, training_args.json), the trial's
                            spec (trial.json), its result (result.json) and logs (stdout.log, stderr.log);
@@ -44,12 +45,14 @@ from typing import Any, Literal
 
 from hfscale.core.files import utc_now, write_atomic
 from hfscale.records.row import SCHEMA_VERSION, TrialResult, row_from_json, to_json_text
+from hfscale.records.search import SearchSummary
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.jsonl"
 CORRUPT_FILE = "results.corrupt.jsonl"
 ENVIRONMENT_FILE = "environment.json"
+SEARCH_FILE = "search.json"
 RECIPE_FILE = "recipe.yaml"
 LOCK_FILE = ".lock"
 TRIALS_DIR = "trials"
@@ -441,6 +444,23 @@ class RunFolder:
         self.write_environment(environment)
         return environment
 
+    def write_search(self, summary: SearchSummary) -> None:
+        """Record how an adaptive search ended (a resumed one rewrites it). Raises RunFolderWriteError."""
+        try:
+            write_atomic(self.path / SEARCH_FILE, json.dumps(summary.to_json(), indent=2) + "\n")
+        except OSError as exc:
+            raise RunFolderWriteError(self.path / SEARCH_FILE, exc) from exc
+
+    def clear_search(self) -> None:  # while a (resumed) search runs: search.json says how one ended
+        (self.path / SEARCH_FILE).unlink(missing_ok=True)
+
+    def search(self) -> SearchSummary | None:
+        """How its adaptive search ended; None for a grid sweep (or one still searching)."""
+        path = self.path / SEARCH_FILE
+        if not path.exists():
+            return None
+        return SearchSummary.from_json(json.loads(path.read_text(encoding="utf-8")))
+
     def copy_recipe(self, source: str | os.PathLike[str]) -> None:
         try:
             shutil.copyfile(source, self.recipe_path)
@@ -451,11 +471,6 @@ class RunFolder:
 def read_results(run_dir: str | os.PathLike[str]) -> list[TrialResult]:
     """Every row of a run folder (:meth:`RunFolder.rows`)."""
     return RunFolder(Path(run_dir)).rows()
-
-
-def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """A run folder's environment record (:meth:`RunFolder.environment`)."""
-    return RunFolder(Path(run_dir)).environment()
 
 
 __all__ = [
@@ -469,6 +484,7 @@ __all__ = [
     "RECIPE_FILE",
     "RESULTS_FILE",
     "RESULT_FILE",
+    "SEARCH_FILE",
     "SPEC_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
@@ -480,6 +496,5 @@ __all__ = [
     "RunFolder",
     "RunFolderError",
     "RunFolderWriteError",
-    "read_environment",
     "read_results",
 ]

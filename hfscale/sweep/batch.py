@@ -228,7 +228,7 @@ def probe_spec(spec: TrialSpec, batch_size: int, *, probe_steps: int) -> TrialSp
         StrategyError: when the strategy refuses the batch size.
     """
     strategy = spec.strategy.replace(per_device_batch_size=batch_size)
-    max_steps = spec.measure.warmup_steps + probe_steps
+    max_steps = spec.measure.planned_warmup_steps + probe_steps
     global_batch = batch_size * strategy.gradient_accumulation_steps * strategy.num_processes
     return dataclasses.replace(
         spec,

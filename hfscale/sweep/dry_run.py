@@ -12,6 +12,8 @@ from hfscale.launch.plan import PlannedRun, SweepSettings, device_not_visible, e
 from hfscale.recipes.schema import Recipe
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
+from hfscale.sweep.adaptive import question_of, search_settings
+from hfscale.sweep.search import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
 def dry_run_lines(
@@ -23,6 +25,7 @@ def dry_run_lines(
     Raises:
         SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
     """
+    settings = search_settings(recipe.sweep, settings)
     trials = recipe.resolve(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
@@ -37,6 +40,12 @@ def dry_run_lines(
         lines.append(warning)
     if budget is not None:
         lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
+    if settings.search == "adaptive":
+        question = question_of(settings, budget).words()
+        lines.append(
+            f"adaptive search for {question}: at most the grid's {len(runs)} runs, plus the largest-batch rows of "
+            "the contenders where the batch is an axis (docs/search.md)"
+        )
     if settings.find_max_batch:
         lines.append(
             f"after each trial: search the largest batch that fits (up to {settings.max_batch_limit}, warm-up + "
@@ -57,12 +66,19 @@ def dry_run_lines(
             lines.append(f"    {_estimate_line(run)}")
             if run.skip_reason:
                 lines.append(f"    skipped: {run.skip_reason}")
+            elif settings.search == "adaptive" and (why := _skipped_by_search(run, budget)) is not None:
+                lines.append(f"    skipped by the search: {why}")
             files_dir = folder.repeat_dir(run.name, run.repeat, run.repeats)
             cmd = trial_command(
                 run.trial, folder.trial_dir(run.name), files_dir, launch=launch, port=29500, python=python
             )
             lines.append("    " + " ".join(part.replace(str(folder.path), "RUN") for part in cmd))
     return lines
+
+
+def _skipped_by_search(run: PlannedRun, budget: int | None) -> str | None:
+    predicted = run.estimate.total_gib if run.estimate is not None else None
+    return skip_by_estimate(predicted, budget / GIB if budget is not None else None, DEFAULT_SKIP_MARGIN)
 
 
 def _estimate_line(run: PlannedRun) -> str:

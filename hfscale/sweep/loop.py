@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfscale.core.text import clock
 from hfscale.launch.device_lock import DeviceBusyError
 from hfscale.launch.group import GroupRequest, LaunchInfo, launch_group
 from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings, device_not_visible, estimate_runs, plan_runs
@@ -48,23 +49,20 @@ from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.records.batch import BatchSearchRecord, ProbeOutcome
 from hfscale.records.row import TrialResult
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
+from hfscale.sweep.adaptive import AdaptiveSearch, adaptive_mark, question_of
 from hfscale.sweep.batch import search_key, search_trial, searched, why_not_searched
 from hfscale.sweep.batch_axis import comparison_baseline, mark_max_batch, max_batch_runs
 from hfscale.sweep.follow import follow_sweep
 from hfscale.sweep.machines import Leader
 from hfscale.sweep.outcome import INTERRUPTED_EXIT, STOPPED_EXIT, SweepInterrupted, SweepOutcome, SweepStopped
 from hfscale.sweep.precision import runs_for_precision, sequential_mark
+from hfscale.sweep.search import Limits
 from hfscale.sweep.session import SweepStart, open_sweep, prepare_folder, resume_hint, run_folder, write_report
 from hfscale.workload.spec import TrialSpec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUT_DIR = "runs"
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # -- the sweep ----------------------------------------------------------------------------------------------------
@@ -135,24 +133,39 @@ class Sweep:
             self.progress(warning)  # before the first trial, not after twenty skipped rows
         todo = [r for r in runs if r.key not in self.stored or self._needs_search(r, self.stored[r.key])]
         launches = sum(r.key not in self.stored for r in todo)
-        self.progress(
-            f"sweep {self.recipe.name}: {launches} of {len(runs)} runs to do"
-            + (f" ({len(runs) - launches} already in {self.folder.path})" if self.stored else "")
-            + (f", {len(todo) - launches} batch searches to finish" if len(todo) > launches else "")
-            + f"; run folder {self.folder.path}"
-        )
+        self._announce(runs, todo, launches)
         if self.launch.num_machines > 1:
             self.leader = Leader.start(
                 self.folder, [r for r in todo if r.key not in self.stored], recipe=self.recipe.name,
                 settings=self.settings, launch=self.launch, progress=self.progress,
             )  # fmt: skip
         try:
-            self._run_all(runs, todo)
+            if self.settings.search == "adaptive":
+                self._run_adaptive(runs)
+            else:
+                self._run_all(runs, todo)
         finally:
             if self.leader is not None:
                 self.leader.close(self.folder.path)
                 self.leader = None
         return list(self.appended.values())
+
+    def _announce(self, runs: list[PlannedRun], todo: list[PlannedRun], launches: int) -> None:
+        """The sweep's first line: what it will run (an adaptive search: over how many trials) and where."""
+        if self.settings.search == "adaptive":
+            trials = sum(r.repeat == 0 for r in runs)
+            self.progress(
+                f"sweep {self.recipe.name}: adaptive search over {trials} trials (the grid: {len(runs)} runs)"
+                + (f", {len(self.stored)} rows already in {self.folder.path}" if self.stored else "")
+                + f"; run folder {self.folder.path}"
+            )
+        else:
+            self.progress(
+                f"sweep {self.recipe.name}: {launches} of {len(runs)} runs to do"
+                + (f" ({len(runs) - launches} already in {self.folder.path})" if self.stored else "")
+                + (f", {len(todo) - launches} batch searches to finish" if len(todo) > launches else "")
+                + f"; run folder {self.folder.path}"
+            )
 
     def _read_stored(self) -> None:
         """The rows already in the run folder, and the batch searches they hold."""
@@ -195,8 +208,37 @@ class Sweep:
             for run in more:
                 self._launch(run, "[precision] ", elapsed=time.monotonic() - start)
         self.progress(
-            f"sweep {self.recipe.name}: {len(todo)} runs in {_clock(time.monotonic() - start)}; "
+            f"sweep {self.recipe.name}: {len(todo)} runs in {clock(time.monotonic() - start)}; "
             f"results in {self.folder.results_path}"
+        )
+
+    def _run_adaptive(self, runs: list[PlannedRun]) -> None:
+        """The adaptive search (:mod:`hfscale.sweep.adaptive`) instead of every planned run; ``search.json`` at the
+        end."""
+        start = time.monotonic()
+        search = AdaptiveSearch(
+            firsts=[r for r in runs if r.repeat == 0],
+            originals=self.recipe.resolve(repeats=self.settings.repeats),
+            stored=self.stored,
+            question=question_of(self.settings, self.budget_bytes),
+            limits=Limits(max_time_s=self.settings.max_time_s, max_runs=self.settings.max_runs),
+            baseline=comparison_baseline(self.recipe),
+            launch=lambda run, prefix: self._launch(
+                run, prefix, elapsed=time.monotonic() - start, mark=lambda row: adaptive_mark(row, run, self.stored)
+            ),
+            append=self._append,
+            search_batch=lambda run, row: self._search(run, row, "[search] "),
+            searched=lambda trial: searched(trial, self.settings),
+            clear_summary=self.folder.clear_search,
+            progress=self.progress,
+        )
+        summary = search.run()
+        if self.records:
+            self.folder.write_search(summary)
+        grid = f", about {clock(summary.grid_estimate_s)}" if summary.grid_estimate_s is not None else ""
+        self.progress(
+            f"search {self.recipe.name}: {summary.stop_reason}; {summary.runs} runs, {clock(summary.elapsed_s)} of "
+            f"run time (the grid: {summary.grid_runs} runs{grid}); results in {self.folder.results_path}"
         )
 
     def _launch(
@@ -212,7 +254,7 @@ class Sweep:
             f"{prefix}{run.label}: {run.trial.spec.strategy.describe()}"
             + (f"; predicted peak {predicted:.2f} GiB" if predicted is not None else "")
             + (f"; skipped: {run.skip_reason}" if run.skip_reason else "")
-            + f"  (sweep elapsed {_clock(elapsed)})"
+            + f"  (sweep elapsed {clock(elapsed)})"
         )
         if self.leader is not None and run.trial.spec.strategy.num_machines > 1:
             row = self.leader.lead(
@@ -236,7 +278,7 @@ class Sweep:
             launch=self.launch,
             settings=self.settings,
             python=self.python,
-            on_tick=lambda s: self.progress(f"{prefix}{run.label}: still running, {_clock(s)}"),
+            on_tick=lambda s: self.progress(f"{prefix}{run.label}: still running, {clock(s)}"),
             progress=lambda line: self.progress(f"{prefix}{run.label}: {line}"),
         )
 

@@ -23,6 +23,7 @@ from hfscale.launch.process import end_orphaned_group
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.results.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
+from hfscale.sweep.adaptive import check_adaptive, search_settings
 from hfscale.sweep.batch_axis import batch_settings, fixed_batch_trials
 from hfscale.sweep.slurm import resume_command
 
@@ -75,10 +76,11 @@ def open_sweep(
     else:
         recipe = load_recipe(recipe_path)
         settings = settings or launch.default_counts(SweepSettings())
-    settings = batch_settings(recipe.sweep, settings)
+    settings = search_settings(recipe.sweep, batch_settings(recipe.sweep, settings))
     trials = recipe.resolve(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
+    check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))
     sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
     environment = collect_environment(python=python, extra=sweep_info)
     budget = memory_budget(settings, environment)

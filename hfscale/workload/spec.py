@@ -87,12 +87,18 @@ the sweep's noise before its interval is trusted (two runs give that check one d
 docs/statistics.md)."""
 
 
+AUTO_WARMUP_PLAN_STEPS = 5
+"""Steps planned for a detected warm-up where a run's length must be fixed beforehand (a batch-search probe): the
+default fixed warm-up, so that a probe has room for a slow start and the detection at least a few steps after it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasureSpec:
     """How a trial is measured."""
 
-    warmup_steps: int = 5
-    """Optimizer steps left out of the steady-state figures."""
+    warmup_steps: int | Literal["auto"] = 5
+    """Optimizer steps left out of the steady-state figures, or ``"auto"``: each run reads its warm-up from its own
+    step times (:mod:`hfscale.measure.warmup`, MSER) and says whether it reached a steady state."""
     max_steps: int | None = None
     """Optimizer steps to train; None trains ``num_epochs`` epochs."""
     num_epochs: float = 1.0
@@ -108,6 +114,12 @@ class MeasureSpec:
     """The most runs ``target_precision`` may take."""
     max_time_s: float | None = None
     """With ``target_precision``: no further run once the trial's runs took this many wall-clock seconds."""
+
+    @property
+    def planned_warmup_steps(self) -> int:
+        """The warm-up to plan a run's length around (a batch-search probe trains this many steps before its
+        measured ones): the given count, or :data:`AUTO_WARMUP_PLAN_STEPS` under ``"auto"``."""
+        return self.warmup_steps if isinstance(self.warmup_steps, int) else AUTO_WARMUP_PLAN_STEPS
 
     @property
     def most_runs(self) -> int:

@@ -27,7 +27,15 @@ from transformers import (
     TrainingArguments,
 )
 
-from hfscale.callbacks import MEMORY_PHASES, MemoryCallback, MemorySummary, ThroughputCallback, ThroughputSummary
+from hfscale.callbacks import (
+    MEMORY_PHASES,
+    MemoryCallback,
+    MemorySummary,
+    ThroughputCallback,
+    ThroughputSummary,
+    timing,
+)
+from hfscale.callbacks.throughput import _detected_warmup
 from hfscale.core.units import GIB
 from hfscale.launch.process import free_port
 from hfscale.measure.memory import cpu_peak_rss_bytes
@@ -117,7 +125,8 @@ class StepClock(TrainerCallback):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# One CPU run shared by several tests: 8 steps, both callbacks, a slow 2-step warm-up, an independent clock.
+# One CPU run shared by several tests: 8 steps, both callbacks (the throughput one with a warm-up of 2, 0 and
+# "auto"), a slow 2-step warm-up, an independent clock.
 # --------------------------------------------------------------------------------------------------------------
 
 SLOW_S = 1.0
@@ -130,12 +139,13 @@ def cpu_run(tmp_path_factory):
     memory = MemoryCallback(output_path=out / "memory.json")
     tp_warm2 = ThroughputCallback(2, output_path=out / "throughput.json")
     tp_warm0 = ThroughputCallback(0)
+    tp_auto = ThroughputCallback("auto", output_path=out / "throughput_auto.json")
     model = _tiny_bert()
     trainer = Trainer(
         model=model,
         args=_args(out / "trainer"),
         train_dataset=make_classification_dataset(64, 64),
-        callbacks=[recorder, SlowFirstSteps(2, SLOW_S), memory, tp_warm2, tp_warm0, clock],
+        callbacks=[recorder, SlowFirstSteps(2, SLOW_S), memory, tp_warm2, tp_warm0, tp_auto, clock],
     )
     result = trainer.train()
     return SimpleNamespace(
@@ -148,6 +158,7 @@ def cpu_run(tmp_path_factory):
         memory=memory,
         tp2=tp_warm2,
         tp0=tp_warm0,
+        tp_auto=tp_auto,
         hwm_after_gib=cpu_peak_rss_bytes() / GIB,
     )
 
@@ -159,9 +170,9 @@ def _entries_with(history: list[dict], prefix: str) -> list[dict]:
 def test_keys_reach_log_history_and_report_to_callbacks(cpu_run):
     history = cpu_run.trainer.state.log_history
     (mem_entry,) = _entries_with(history, "memory/")
-    tp_entries = _entries_with(history, "throughput/")  # one per ThroughputCallback (warm-up 2 and 0)
-    assert len(tp_entries) == 2
-    (tp_entry,) = [e for e in tp_entries if e["throughput/measured_steps"] == 6]
+    tp_entries = _entries_with(history, "throughput/")  # one per ThroughputCallback (warm-up 2, 0 and auto)
+    assert len(tp_entries) == 3
+    (tp_entry,) = [e for e in tp_entries if e["throughput/measured_steps"] == 6 and "throughput/warmup_steps" not in e]
     assert mem_entry["step"] == tp_entry["step"] == 8
     for phase in MEMORY_PHASES:
         assert mem_entry[f"memory/{phase}_gib"] == cpu_run.memory.summary.phases_gib[phase]
@@ -243,6 +254,77 @@ def test_warmup_steps_are_excluded(cpu_run):
     # ... and left out: the same six later steps, timed by the other callback's own marks.
     assert with_warmup.step_times_s == pytest.approx(without.step_times_s[2:], abs=0.05)
     assert without.step_time_mean_s > with_warmup.step_time_mean_s + 0.5 * 2 * SLOW_S / 8
+
+
+# --------------------------------------------------------------------------------------------------------------
+# warmup_steps="auto": the warm-up read from the run's own step times (hfscale.measure.warmup)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_auto_warmup_leaves_out_the_slow_steps_it_detects(cpu_run):
+    s, everything = cpu_run.tp_auto.summary, cpu_run.tp0.summary
+    assert s.warmup_detected and s.steady_state is not None and s.total_steps == 8
+    # Both slowed steps are left out (MSER may leave out steady ones more: on 8 steps it often does), and the
+    # measured steps are those after the detected end, timed by the other callback's own marks.
+    assert s.warmup_steps >= 2 and s.measured_steps == 8 - s.warmup_steps
+    assert s.step_times_s == pytest.approx(everything.step_times_s[s.warmup_steps :], abs=0.05)
+    (entry,) = [e for e in cpu_run.trainer.state.log_history if "throughput/warmup_steps" in e]  # given: not logged
+    assert (entry["throughput/warmup_steps"], entry["throughput/steady_state"]) == (s.warmup_steps, s.steady_state)
+    assert ThroughputSummary.from_dict(json.loads((cpu_run.out / "throughput_auto.json").read_text())) == s
+    assert (everything.warmup_detected, everything.steady_state) == (False, None)
+
+
+def _drive(callback: ThroughputCallback, durations: list[float], monkeypatch, tmp_path: Path) -> ThroughputSummary:
+    """``callback`` through ``len(durations)`` steps without a Trainer, on a clock that advances by ``durations``:
+    step times a test chooses, whatever the machine's load."""
+    clock = itertools.accumulate([0.0, *durations])
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    args, state, control = _args(tmp_path), TrainerState(max_steps=len(durations)), TrainerControl()
+    callback.on_train_begin(args, state, control, model=None)
+    for step in range(1, len(durations) + 1):
+        state.global_step = step
+        callback.on_step_end(args, state, control)
+    return callback.summary
+
+
+def test_auto_warmup_says_when_the_run_did_not_settle(tmp_path, monkeypatch, caplog):
+    steady = [0.9, 0.4, *[0.1, 0.11, 0.09] * 6]
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        s = _drive(ThroughputCallback("auto"), steady, monkeypatch, tmp_path)
+    assert (s.warmup_steps, s.steady_state, s.measured_steps) == (2, True, 18)
+    assert s.step_time_mean_s == pytest.approx(0.1)
+    assert "steady state" not in caplog.text
+    drifting = [0.2 - 0.005 * k for k in range(20)]  # faster every step, to the end
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        s = _drive(ThroughputCallback("auto"), drifting, monkeypatch, tmp_path)
+    assert s.steady_state is False and s.warmup_steps > 10 and s.measured_steps == 20 - s.warmup_steps
+    assert "the run did not reach a steady state" in caplog.text and "train longer" in caplog.text
+
+
+def test_auto_warmup_counts_only_uninterrupted_steps():
+    # Step 1 held an evaluation (its time is not training's): detection runs on the others, and the evaluation
+    # step, inside the detected warm-up, is left out with it.
+    times = [0.9, 5.0, 0.3, *[0.1] * 8]
+    interrupted = [False, True, *[False] * 9]
+    warmup, detection = _detected_warmup(times, interrupted)
+    assert (detection.steps, detection.steady, warmup) == (2, True, 3)
+    assert _detected_warmup([0.3, 0.1, 0.1, 0.1, 0.1], [False] * 5)[0] == 1
+
+
+def test_auto_warmup_on_too_short_a_run_leaves_nothing_out_and_says_so(tmp_path, monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        s = _drive(ThroughputCallback("auto"), [0.3, 0.1, 0.1], monkeypatch, tmp_path)
+    assert "training has 3 optimizer steps, fewer than the 4 a warm-up is detected on" in caplog.text
+    assert (s.warmup_steps, s.measured_steps, s.warmup_detected, s.steady_state) == (0, 3, True, False)
+    assert s.step_time_mean_s == pytest.approx(0.5 / 3)  # still measured, and marked as not steady
+
+
+def test_a_summary_written_before_detection_reads_back_with_a_given_warmup(cpu_run):
+    old = cpu_run.tp2.summary.to_dict()
+    del old["warmup_detected"], old["steady_state"]
+    back = ThroughputSummary.from_dict(old)
+    assert (back.warmup_steps, back.warmup_detected, back.steady_state) == (2, False, None)
+    assert "throughput/warmup_steps" not in back.log_dict()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -434,6 +516,8 @@ def test_too_few_steps_warns_and_gives_none(tmp_path, tiny_bert, caplog):
     [
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"warmup_steps": "Auto"}, r'warmup_steps: expected an integer >= 0 or "auto", got \'Auto\''),
+        ({"warmup_steps": True}, r'warmup_steps: expected an integer >= 0 or "auto", got True'),
         ({"peak_flops": 0.0}, "peak_flops"),
         ({"flops_per_token": -5.0}, "flops_per_token"),
     ],

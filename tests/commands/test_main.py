@@ -57,7 +57,9 @@ def test_an_unknown_name_lists_the_valid_ones(empty_cwd, capsys):
     err = capsys.readouterr().err
     assert "cpu_smal: no such recipe file, nor a shipped recipe of that name" in err
     assert f"shipped recipes (run by name): {', '.join(recipe_names())}; did you mean 'cpu_small'?" in err
-    with pytest.raises(FileNotFoundError, match=r"bert_lrage: .*bert_large, cpu_small.*did you mean 'bert_large'"):
+    with pytest.raises(
+        FileNotFoundError, match=r"bert_lrage: .*bert_large, cpu_budget, cpu_small.*did you mean 'bert_large'"
+    ):
         load_recipe("bert_lrage")
     # A path (it has a folder part) is never looked up by name; the message still says what can be run by name.
     with pytest.raises(FileNotFoundError, match=r"^nowhere/cpu_small\.yaml: no such file; shipped recipes"):

@@ -96,3 +96,34 @@ TINY_SWEEP_RECIPE = {
     ],
 }
 """Trials: fp32 (the baseline), bf16, gradient checkpointing (two repeats), one out of memory, one skipped."""
+
+
+# -- scripted launches: rows without processes, for the sweep's own logic --------------------------------------------
+
+
+def scripted_launches(monkeypatch, speed) -> list[tuple[str, int]]:
+    """Replace the launch of a trial's process group by an ok row measuring ``speed(trial, repeat)`` samples/s (4
+    steps of 4 samples); returns the (trial, repeat) launched, in order."""
+    import hfscale.sweep.loop
+    from hfscale.launch.rows import planned_row
+    from hfscale.records.measurements import ThroughputSummary
+    from hfscale.records.row import TrialOutcome
+
+    launched = []
+
+    def launch_trial(run, folder, *, baseline, **_):
+        if run.skip_reason is not None:
+            return planned_row(run, baseline=baseline, status="skipped", reason=run.skip_reason)
+        launched.append((run.name, run.repeat))
+        rate = speed(run.name, run.repeat)
+        throughput = ThroughputSummary(
+            samples_per_s=rate, tokens_per_s=None, step_time_median_s=4 / rate, step_time_p90_s=None,
+            step_time_mean_s=4 / rate, measured_steps=4, warmup_steps=1, samples_per_step=4,
+            tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None, peak_flops_per_s=None,
+            device_name="cpu", step_times_s=[4 / rate] * 4,
+        )  # fmt: skip
+        measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
+        return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
+
+    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", launch_trial)
+    return launched

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hfscale.core.validation import Invalid
+from hfscale.recipes.checks import check_measure
 from hfscale.recipes.recipe import load_recipe, parse_recipe
 from hfscale.recipes.schema import Recipe, RecipeError
+from hfscale.workload.spec import MeasureSpec
 
 BASE = {
     "device": "cpu",
@@ -140,6 +143,15 @@ def test_launch_counts_that_break_a_strategy_name_the_trial(tmp_path):
             r"trials\[0\]\.per_device_batch_size: expected an integer, got true",
         ),
         ({"measure": {"repeats": 0}}, r"x\.yaml: measure\.repeats: expected a positive integer, got 0"),
+        (
+            {"measure": {"warmup_steps": -1}},
+            r"x\.yaml: measure\.warmup_steps: expected an integer 0 or more, or 'auto' to detect the warm-up from "
+            r"each run's step times, got -1$",
+        ),
+        (
+            {"trials": [{"name": "a", "measure": {"warmup_steps": "detect"}}]},
+            r"x\.yaml: trials\[0\]\.measure\.warmup_steps: expected an integer or one of 'auto', got 'detect'$",
+        ),
         ({"measure": {"timeot_s": 1}}, r"measure\.timeot_s: unknown key \(did you mean 'timeout_s'\?\)"),
         (
             {"trials": [{"name": "a", "measure": {"timeout_s": -1}}]},
@@ -377,6 +389,22 @@ def test_trial_names_are_read_without_building_a_model(tmp_path, monkeypatch):
         assert read_trial_names(path) == expected[path], path.name
     with pytest.raises(RecipeError, match=r"x\.yaml: trials\[0\]: expected a mapping"):
         read_trial_names(write(tmp_path, with_(trials=["fp32"])))
+
+
+def test_a_detected_warmup_loads_for_the_recipe_or_one_trial(tmp_path):
+    trials = [{"name": "fixed", "measure": {"warmup_steps": 0}}, {"name": "auto"}]
+    recipe = load_recipe(write(tmp_path, with_(measure={**BASE["measure"], "warmup_steps": "auto"}, trials=trials)))
+    fixed, auto = (t.spec.measure for t in recipe.trials)
+    assert (fixed.warmup_steps, auto.warmup_steps) == (0, "auto")
+    # Where a run's length is planned beforehand (a batch-search probe), "auto" plans the default warm-up.
+    assert (fixed.planned_warmup_steps, auto.planned_warmup_steps) == (0, 5)
+
+
+def test_check_measure_refuses_what_the_loader_would_not_build():
+    # A MeasureSpec made in Python skips the loader's type walk: the range check still names the key.
+    with pytest.raises(Invalid, match=r"expected an integer 0 or more, or 'auto'.*, got 'Auto'$") as caught:
+        check_measure(MeasureSpec(warmup_steps="Auto"), "measure")  # type: ignore[arg-type]
+    assert caught.value.path == "measure.warmup_steps"
 
 
 def test_repeats_from_the_command_line_replace_each_trials_and_bound_a_target_precision(tmp_path):

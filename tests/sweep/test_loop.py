@@ -623,26 +623,12 @@ def _precision_sweep(tmp_path, monkeypatch, speeds):
     """A two-trial sweep with ``target_precision: 0.05`` whose launches are scripted: run k of a trial measures
     ``speeds[k]`` samples/s. Returns the rows by (trial, repeat)."""
     import yaml
+    from helpers.runs import scripted_launches
 
-    import hfscale.sweep.loop
-    from hfscale.launch.rows import planned_row
-    from hfscale.records.measurements import ThroughputSummary
-    from hfscale.records.row import TrialOutcome
     from hfscale.results.run_folder import RunFolder
     from hfscale.sweep.loop import run_sweep
 
-    def launch_trial(run, folder, *, baseline, **_):
-        speed = speeds[run.repeat]
-        throughput = ThroughputSummary(
-            samples_per_s=speed, tokens_per_s=None, step_time_median_s=4 / speed, step_time_p90_s=None,
-            step_time_mean_s=4 / speed, measured_steps=4, warmup_steps=1, samples_per_step=4,
-            tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None, peak_flops_per_s=None,
-            device_name="cpu", step_times_s=[4 / speed] * 4,
-        )  # fmt: skip
-        measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
-        return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
-
-    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", launch_trial)
+    scripted_launches(monkeypatch, lambda name, repeat: speeds[repeat])
     data = {
         "device": "cpu",
         "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},

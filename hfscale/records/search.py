@@ -1,0 +1,100 @@
+"""What an adaptive search decided, as it is written to disk: one :class:`SearchDecision` on each row it did not run
+to the end (``skipped`` by the estimate, ``pruned`` on the evidence), and one :class:`SearchSummary` per run folder
+(``search.json``: the question, why the search stopped, what it cost and what the grid would have cost).
+
+The search itself (:mod:`hfscale.sweep.search`) is above; the report and ``hfscale.load_run`` read these records
+without importing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DecisionKind = Literal["skipped", "pruned", "too_slow", "over_budget"]
+"""skipped: the estimate says the trial cannot fit the budget even if it over-predicts by the margin, so it never
+runs; pruned: slower than the leader beyond the noise; too_slow: below the throughput floor beyond the noise (the
+least-memory question); over_budget: its measured peak does not fit the budget (it ran; its rows stay as they are)."""
+
+StopReason = Literal["decided", "runs_spent", "time_spent", "run_budget_spent", "nothing_fits", "no_trials"]
+"""decided: every other contender is pruned or equal to the answer within the noise threshold; runs_spent: the
+contenders left have run as often as a trial may (``measure.repeats``) and still cannot be told apart; time_spent /
+run_budget_spent: ``--max-time`` / ``--max-runs`` ran out first; nothing_fits: no trial fits the budget or meets the
+floor; no_trials: nothing was left to run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchDecision:
+    """Why the search stopped running one trial, with the evidence it stopped on."""
+
+    trial: str
+    kind: DecisionKind
+    reason: str
+    """The decision in a sentence, with its figures."""
+    runs: int = 0
+    """The trial's ok runs when it was decided."""
+    leader: str | None = None
+    """The trial it was compared with (pruned), if any."""
+    ratio: float | None = None
+    """Its speed over the leader's (ratio of geometric means over runs), or over the floor (too_slow)."""
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+    """The interval of ``ratio`` the decision was taken on (its confidence is the search's)."""
+    predicted_gib: float | None = None
+    """skipped: the estimate."""
+    measured_gib: float | None = None
+    """over_budget: the measured figure the budget was checked against (its largest run)."""
+    budget_gib: float | None = None
+    margin: float | None = None
+    """skipped: how much the estimate may over-predict (0.25: by 25%), from its measured error."""
+    sweep_runs: int = 0
+    """Runs the whole sweep had made when the decision was taken."""
+    elapsed_s: float = 0.0
+    """The sweep's run time (sum of its runs' wall times) when the decision was taken."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSummary:
+    """One adaptive search of a run folder: the question, how it ended, and what it cost against the grid."""
+
+    question: str
+    """The question in words ("fastest within 1.50 GiB per device", "least memory at >= 200 samples/s")."""
+    min_samples_per_s: float | None = None
+    """The least-memory question's floor; None: the fastest-that-fits question."""
+    stop: StopReason
+    stop_reason: str
+    """Why it stopped, in a sentence naming the trials left."""
+    answer: str | None
+    """The trial the search ends on (the leader; ties are the report's to break), or None."""
+    contenders: tuple[str, ...] = ()
+    """The trials still in the contest beside the answer when the search stopped (undecided against it, or equal
+    to it within the noise threshold)."""
+    runs: int = 0
+    """Runs launched (ok or not); rows of skipped and pruned trials are not runs."""
+    elapsed_s: float = 0.0
+    """Sum of the launched runs' wall times."""
+    grid_runs: int = 0
+    """Runs the grid would have made: every trial's ``measure.repeats``."""
+    grid_estimate_s: float | None = None
+    """What the grid would have taken: each trial's median measured wall time per run times its repeats (the
+    median over all runs for a trial that never ran; a trial that ran only a short first run counts it, an
+    under-estimate)."""
+    confidence: float = 0.95
+    """Of the intervals the decisions were taken on (Dunnett's many-to-one over the contenders)."""
+    trace: tuple[SearchDecision, ...] = field(default_factory=tuple)
+    """Every decision, in the order taken."""
+
+    def to_json(self) -> dict[str, Any]:
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(SearchSummary).dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SearchSummary:
+        """Raises: ValueError (pydantic's ValidationError) naming the field that does not validate."""
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(SearchSummary).validate_python(data)
+
+
+__all__ = ["DecisionKind", "SearchDecision", "SearchSummary", "StopReason"]

@@ -1,0 +1,83 @@
+"""An adaptive search in words: one sentence for the answer (what it spent against the grid, and why it stopped),
+and its decision trace (what was skipped or pruned, when, on what evidence) for its own section.
+
+Read from ``search.json`` (:class:`hfscale.records.search.SearchSummary`); a grid sweep has none, and nothing here
+is shown for it.
+"""
+
+from __future__ import annotations
+
+from hfscale.core.text import clock
+from hfscale.records.search import SearchDecision, SearchSummary
+from hfscale.report.text import Text, plain, rich
+
+KIND_WORDS = {
+    "skipped": "skipped (estimate)",
+    "pruned": "pruned",
+    "too_slow": "pruned (below the floor)",
+    "over_budget": "over the budget",
+}
+
+
+def cost_phrase(search: SearchSummary) -> str:
+    """``15 runs (3:02 of summed run time) against the grid's 35 (about 7:10)``."""
+    grid = f" (about {clock(search.grid_estimate_s)})" if search.grid_estimate_s is not None else ""
+    return f"{search.runs} runs ({clock(search.elapsed_s)} of run time) against the grid's {search.grid_runs}{grid}"
+
+
+def search_sentence(search: SearchSummary) -> Text:
+    """What the answer adds for an adaptive search: its question, what it spent, and why it stopped."""
+    return rich(
+        " An adaptive search asked for {question} and spent {cost}; it stopped: {why}.",
+        question=search.question,
+        cost=cost_phrase(search),
+        why=search.stop_reason,
+    )
+
+
+def decision_line(decision: SearchDecision) -> Text:
+    """One decision: when (runs and summed run time so far), which trial, what, and on what evidence."""
+    when = "before any run"
+    if decision.sweep_runs:
+        when = f"after {decision.sweep_runs} runs ({clock(decision.elapsed_s)} of summed run time)"
+    return rich(
+        "{when}: **{trial}** {kind}: {reason}.",
+        when=when,
+        trial=decision.trial,
+        kind=KIND_WORDS.get(decision.kind, decision.kind),
+        reason=decision.reason,
+    )
+
+
+def search_paragraphs(search: SearchSummary) -> tuple[Text, ...]:
+    """The search's section: its question and cost, why it stopped, and how the grid's time was estimated."""
+    return (
+        rich("Question: {q}. Stopped ({stop}): {why}.", q=search.question, stop=search.stop, why=search.stop_reason),
+        plain(
+            f"Spent {cost_phrase(search)}. The grid's time is estimated from this run's own measurements: each trial's "
+            "median wall time per run times its measure.repeats (the median over all runs for a trial that never "
+            "ran); batch-search probes are counted in neither."
+        ),
+        plain(
+            f"A pruned trial's speed ratio to the leader had its {search.confidence:.0%} interval below 1 and its "
+            "value beyond the 2% noise threshold (ratio of geometric means over runs, Dunnett's many-to-one over the "
+            "contenders, the run-to-run noise pooled over the sweep); one pruned below a throughput floor had its "
+            "Šidák interval below the floor. A skipped trial's estimate did not fit the budget even at its largest "
+            "measured over-prediction. Their runs stay in the tables as measured; they are never recommended."
+        ),
+    )
+
+
+def search_items(search: SearchSummary) -> tuple[Text, ...]:
+    """Every decision, in the order taken."""
+    return tuple(decision_line(d) for d in search.trace) or (plain("No trial was skipped or pruned."),)
+
+
+__all__ = [
+    "KIND_WORDS",
+    "cost_phrase",
+    "decision_line",
+    "search_items",
+    "search_paragraphs",
+    "search_sentence",
+]

@@ -1,0 +1,345 @@
+"""The adaptive search run for real: the rows of the run folder read as the search's evidence, its decisions written
+as rows, its runs launched through the sweep, and ``search.json`` at the end.
+
+:mod:`hfscale.sweep.search` decides; this module only carries the decisions out. Everything the search knows is
+read back from the rows each time (:func:`trial_states`), so ``--resume`` in the middle of a search picks it up
+where the rows leave it: the trials already pruned or skipped stay so, and the next step is the one the rows call
+for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hfscale.core.units import GIB
+from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
+from hfscale.launch.rows import planned_row
+from hfscale.recipes.recipe import adaptive_refusal
+from hfscale.recipes.schema import RecipeTrial, SweepOptions
+from hfscale.records.batch import max_batch_base
+from hfscale.records.row import TrialResult
+from hfscale.records.search import SearchDecision, SearchSummary
+from hfscale.report.noise import run_rates
+from hfscale.report.trials import fit_memory
+from hfscale.sweep.batch_axis import mark_max_batch, max_batch_trial
+from hfscale.sweep.search import (
+    Limits,
+    Next,
+    Progress,
+    Question,
+    TrialState,
+    next_step,
+    skip_by_estimate,
+    skip_margin,
+)
+
+Key = tuple[str, int]
+
+SHORT_FRACTION = 0.5
+"""A first run trains this share of the trial's steps ..."""
+MIN_SHORT_STEPS = 20
+"""... and never fewer steps than this: MSER reads the warm-up poorly from fewer (a third of steady 20-step runs
+are called unsteady, docs/callbacks.md), and the steps after it must hold a figure as steady as a full run's."""
+
+
+ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs")
+"""Settings that only an adaptive search reads: a grid refuses them rather than ignore them."""
+
+
+def search_settings(options: SweepOptions, settings: SweepSettings) -> SweepSettings:
+    """The sweep's settings with the recipe's ``sweep:`` search options wherever the command line gave none (its
+    adaptive-only keys only when the search is adaptive: ``--search grid`` on an adaptive recipe leaves them)."""
+    changes: dict[str, object] = {}
+    given = settings.given()
+    search = settings.search if "search" in given else options.search
+    if search == "adaptive":  # None stays the grid's (the default, recorded as such)
+        changes["search"] = search
+    if "memory_budget_bytes" not in given and options.memory_budget_gib is not None:
+        changes["memory_budget_bytes"] = int(options.memory_budget_gib * GIB)
+    for name in ADAPTIVE_ONLY if search == "adaptive" else ():
+        if name not in given and getattr(options, name) is not None:
+            changes[name] = getattr(options, name)
+    return dataclasses.replace(settings, **changes)
+
+
+def check_adaptive(trials: Sequence[RecipeTrial], settings: SweepSettings, *, num_machines: int) -> None:
+    """Refuse, before anything runs, what an adaptive search cannot do.
+
+    Raises:
+        SweepError: naming the trial's key and why.
+    """
+    if settings.search != "adaptive":
+        fields = SweepSettings.__dataclass_fields__
+        given = [fields[n].metadata["flag"] for n in ADAPTIVE_ONLY if getattr(settings, n) is not None]
+        if given:
+            raise SweepError(
+                f"{', '.join(given)} (or the recipe's sweep.{', sweep.'.join(ADAPTIVE_ONLY)}) only apply to an "
+                "adaptive search: add --search adaptive (sweep.search: adaptive), or leave them out"
+            )
+        return
+    if num_machines > 1:
+        raise SweepError(
+            "--search adaptive runs on one machine: the other machines' drivers follow a plan made before the "
+            "first trial, which a search cannot give; search the grid (sweep.search: grid)"
+        )
+    if (refusal := adaptive_refusal(trials)) is not None:
+        raise SweepError(f"--search adaptive: {refusal[0]}: {refusal[1]}")
+    several = [t.name for t in trials if t.spec.strategy.num_machines > 1]
+    if several:
+        raise SweepError(
+            f"--search adaptive: {', '.join(several)} span several machines, which the other machines' drivers could "
+            "not follow as the search decides; search the grid (sweep.search: grid)"
+        )
+
+
+def question_of(settings: SweepSettings, budget_bytes: int | None) -> Question:
+    """The question the sweep's settings ask, under the budget the sweep resolved (recipe, command line or GPU)."""
+    return Question(
+        budget_gib=budget_bytes / GIB if budget_bytes is not None else None,
+        min_samples_per_s=settings.min_samples_per_s,
+    )
+
+
+def first_run(run: PlannedRun) -> PlannedRun:
+    """``run`` (a trial's first) with its warm-up detected (``warmup_steps: auto``), made short:
+    :data:`SHORT_FRACTION` of its optimizer steps, at least :data:`MIN_SHORT_STEPS`. A trial whose step count is
+    not known before it runs (a script's or a data factory's data trained by epochs), or that is no longer than
+    that, runs in full."""
+    spec = run.trial.spec
+    total = _total_steps(run.trial)
+    measure = dataclasses.replace(spec.measure, warmup_steps="auto")
+    if total is not None and total > MIN_SHORT_STEPS:
+        short = max(MIN_SHORT_STEPS, math.ceil(total * SHORT_FRACTION))
+        measure = dataclasses.replace(measure, max_steps=short)
+    trial = dataclasses.replace(run.trial, spec=dataclasses.replace(spec, measure=measure))
+    return dataclasses.replace(run, trial=trial)
+
+
+def _total_steps(trial: RecipeTrial) -> int | None:
+    """The optimizer steps a full run trains, when they are known before it runs."""
+    spec = trial.spec
+    if spec.measure.max_steps is not None:
+        return spec.measure.max_steps
+    if spec.script is not None or spec.data.factory is not None:
+        return None
+    per_epoch = math.ceil(spec.data.num_samples / spec.strategy.global_batch_size)
+    return math.floor(per_epoch * spec.measure.num_epochs)
+
+
+def trial_states(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> list[TrialState]:
+    """Each trial of the search as its rows in ``stored`` show it."""
+    rows: dict[str, list[TrialResult]] = {}
+    for (name, _), row in sorted(stored.items(), key=lambda item: item[0][1]):
+        rows.setdefault(name, []).append(row)
+    return [_state(run, rows.get(run.name, [])) for run in firsts]
+
+
+def _state(run: PlannedRun, rows: list[TrialResult]) -> TrialState:
+    """One trial's state from its rows: its ok runs' figures, and why it is out (a decision row, a failed run)."""
+    launched = [r for r in rows if r.status not in ("skipped", "pruned")]
+    ended = next((r for r in rows if r.status in ("skipped", "pruned")), None)
+    failed = next((r for r in launched if r.status != "ok"), None)
+    out = None
+    if ended is not None:
+        out = f"{ended.status}: {ended.reason}"
+    elif failed is not None:
+        out = f"{failed.status}: {failed.reason or 'no reason recorded'}"
+    ok = [r for r in launched if r.status == "ok"]
+    fits = [f for r in ok if (f := fit_memory(r.memory)[0]) is not None]
+    steady = [r.throughput.steady_state for r in ok if r.throughput is not None]
+    return TrialState(
+        name=run.name, rates=tuple(run_rates(ok)), runs=len(launched), cap=run.repeats,
+        fit_gib=max(fits) if fits else None, out=out,
+        unsteady=bool(steady) and all(s is False for s in steady),
+    )  # fmt: skip
+
+
+def grid_cost(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> tuple[int, float | None]:
+    """Runs the grid would make (every trial ``measure.repeats`` times) and the time it would take: each trial's
+    median measured wall time per run times its repeats, the median over all runs for a trial that never ran."""
+    walls: dict[str, list[float]] = {}
+    for (name, _), row in stored.items():
+        if row.wall_time_s is not None and row.status not in ("skipped", "pruned"):
+            walls.setdefault(name, []).append(row.wall_time_s)
+    everything = [w for values in walls.values() for w in values]
+    if not everything:
+        return sum(run.trial.spec.measure.repeats for run in firsts), None
+    fallback = statistics.median(everything)
+    seconds = sum(
+        run.trial.spec.measure.repeats * (statistics.median(walls[run.name]) if run.name in walls else fallback)
+        for run in firsts
+    )
+    return sum(run.trial.spec.measure.repeats for run in firsts), seconds
+
+
+@dataclass(kw_only=True)
+class AdaptiveSearch:
+    """One adaptive search over the sweep's planned trials; the sweep gives it its way to launch and append."""
+
+    firsts: list[PlannedRun]
+    """Each trial's first planned run (repeat 0), in recipe order."""
+    originals: Sequence[RecipeTrial]
+    """The recipe's trials, for the measure of a max-batch trial."""
+    stored: dict[Key, TrialResult]
+    """The run folder's rows (the sweep's own dict: rows appended through ``append`` show up here)."""
+    question: Question
+    limits: Limits
+    baseline: str
+    launch: Callable[[PlannedRun, str], TrialResult]
+    """Launches one run and appends its row."""
+    append: Callable[[TrialResult], None]
+    search_batch: Callable[[PlannedRun, TrialResult], None]
+    """Runs a trial's largest-batch search and appends its row again with the record."""
+    searched: Callable[[RecipeTrial], bool]
+    clear_summary: Callable[[], None]
+    """Removes ``search.json`` (a resumed search's, from before)."""
+    progress: Callable[[str], None]
+    trace: list[SearchDecision] = field(default_factory=list)
+
+    def run(self) -> SearchSummary:
+        """Search until the question is decided or a budget is spent; returns what ``search.json`` records."""
+        self.clear_summary()  # a resumed search's old summary no longer says how it ends
+        self._trace_stored()
+        self._skip_by_estimate()
+        while True:
+            firsts = self._all_firsts()
+            step = next_step(trial_states(firsts, self.stored), self.question, self.limits, self._progress())
+            self._record(step, firsts)
+            if step.stop is None:
+                self._round(step.run, firsts)
+            elif not self._search_contenders(step, firsts):
+                return self._summary(step, firsts)
+
+    def _progress(self) -> Progress:
+        launched = [r for r in self.stored.values() if r.status not in ("skipped", "pruned")]
+        return Progress(runs=len(launched), elapsed_s=sum(r.wall_time_s or 0.0 for r in launched))
+
+    def _all_firsts(self) -> list[PlannedRun]:
+        """The planned trials, and the max-batch trial of each contender whose search found a batch."""
+        by_name = {t.name: t for t in self.originals}
+        extra = []
+        for run in self.firsts:
+            row = self.stored.get(run.key)
+            if run.trial.batch == "fixed" or row is None or row.batch_search is None:
+                continue
+            trial = max_batch_trial(run.trial, row.batch_search, original=by_name.get(run.name))
+            if trial is not None:
+                extra.append(dataclasses.replace(run, trial=trial, estimate=None, estimate_error=None))
+        return [*self.firsts, *extra]
+
+    def _trace_stored(self) -> None:
+        """A resumed search's decisions so far, from its rows."""
+        self.trace = sorted(
+            (row.search for row in self.stored.values() if row.search is not None), key=lambda d: d.sweep_runs
+        )
+
+    def _skip_by_estimate(self) -> None:
+        errors = [
+            r.estimate.total_gib / fit - 1
+            for r in self.stored.values()
+            if r.status == "ok" and r.estimate is not None and (fit := fit_memory(r.memory)[0])
+        ]
+        margin = skip_margin(errors)
+        for run in self.firsts:
+            if run.key in self.stored or run.skip_reason is not None:
+                continue
+            predicted = run.estimate.total_gib if run.estimate is not None else None
+            why = skip_by_estimate(predicted, self.question.budget_gib, margin)
+            if why is None:
+                continue
+            decision = SearchDecision(
+                trial=run.name, kind="skipped", reason=why, predicted_gib=predicted,
+                budget_gib=self.question.budget_gib, margin=margin,
+            )  # fmt: skip
+            self._write_decision(run, decision, status="skipped")
+
+    def _record(self, step: Next, firsts: Sequence[PlannedRun]) -> None:
+        by_name = {run.name: run for run in firsts}
+        seen = {(d.trial, d.kind) for d in self.trace}
+        for decision in step.decisions:
+            if (decision.trial, decision.kind) in seen:
+                continue  # an over-budget trial is found again at every look
+            if decision.kind in ("pruned", "too_slow"):
+                self._write_decision(by_name[decision.trial], decision, status="pruned")
+            else:
+                self.trace.append(decision)
+                self.progress(f"{decision.trial}: {decision.kind.replace('_', ' ')}: {decision.reason}")
+
+    def _write_decision(self, run: PlannedRun, decision: SearchDecision, *, status: str) -> None:
+        repeat = 1 + max((k[1] for k in self.stored if k[0] == run.name), default=-1)
+        run = dataclasses.replace(run, repeat=repeat)
+        row = planned_row(run, baseline=self.baseline, status=status, reason=decision.reason, search=decision)
+        self.append(row)
+        self.trace.append(decision)
+        self.progress(f"{run.name}: {status}: {decision.reason}")
+
+    def _round(self, names: Sequence[str], firsts: Sequence[PlannedRun]) -> None:
+        """One more run of each trial named, in order; none once ``--max-time`` is spent (checked before each)."""
+        by_name = {run.name: run for run in firsts}
+        for name in names:
+            if self.limits.max_time_s is not None and self._progress().elapsed_s >= self.limits.max_time_s:
+                return  # the next look stops the search and says why
+            run = by_name[name]
+            repeat = 1 + max((k[1] for k in self.stored if k[0] == name), default=-1)
+            planned = dataclasses.replace(run, repeat=repeat, index=len(self.stored))
+            self.launch(first_run(planned) if repeat == 0 else planned, "[search] ")
+
+    def _search_contenders(self, step: Next, firsts: Sequence[PlannedRun]) -> bool:
+        """The largest-batch search of the answer and the contenders left that ask for one (not yet searched);
+        True when one found a batch whose trial now joins the search."""
+        if step.stop in ("run_budget_spent", "time_spent"):
+            return False  # no probes once the budget is spent
+        before = len(firsts)
+        in_contest = {step.answer, *step.contenders} - {None}
+        for run in self.firsts:
+            row = self.stored.get(run.key)
+            if run.name not in in_contest or row is None or row.status != "ok" or row.batch_search is not None:
+                continue
+            if not self.searched(run.trial):
+                continue
+            self.progress(f"{run.name}: a contender; its largest batch is searched")
+            self.search_batch(run, row)
+        return len(self._all_firsts()) > before
+
+    def _summary(self, step: Next, firsts: Sequence[PlannedRun]) -> SearchSummary:
+        progress = self._progress()
+        grid_runs, grid_s = grid_cost(firsts, self.stored)
+        return SearchSummary(
+            question=self.question.words(), min_samples_per_s=self.question.min_samples_per_s,
+            stop=step.stop or "decided", stop_reason=step.stop_reason,
+            answer=step.answer, contenders=step.contenders, runs=progress.runs, elapsed_s=progress.elapsed_s,
+            grid_runs=grid_runs, grid_estimate_s=grid_s, confidence=self.question.confidence, trace=tuple(self.trace),
+        )  # fmt: skip
+
+
+def adaptive_mark(row: TrialResult, run: PlannedRun, stored: dict[Key, TrialResult]) -> TrialResult:
+    """A row of the search saying so (its run count followed the results), its first run's shortening named; a
+    max-batch row marked as the grid marks it."""
+    if max_batch_base(run.name) is not None:
+        row = mark_max_batch(row, run, stored)
+    measure = run.trial.spec.measure
+    short = ""
+    if run.repeat == 0 and measure.warmup_steps == "auto":
+        steps = f"{measure.max_steps} optimizer steps, " if measure.max_steps is not None else ""
+        short = f" (its first: {steps}the warm-up detected)"
+    return dataclasses.replace(
+        row, stopping=f"adaptive search: runs until the answer is decided within the noise{short}"
+    )
+
+
+__all__ = [
+    "MIN_SHORT_STEPS",
+    "SHORT_FRACTION",
+    "AdaptiveSearch",
+    "adaptive_mark",
+    "check_adaptive",
+    "first_run",
+    "grid_cost",
+    "question_of",
+    "search_settings",
+    "trial_states",
+]

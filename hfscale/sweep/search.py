@@ -1,0 +1,364 @@
+"""The adaptive search: what to run next, decided on the evidence so far, instead of every trial to the end.
+
+A grid sweep runs every trial ``measure.repeats`` times. Most of those runs decide nothing: a trial at a third of
+the leader's speed is as clearly out after one run as after five. The search asks one question of the rows and
+spends runs only where the answer is still open. It is a pure function of the evidence (:func:`next_step`), so
+the same function drives a real sweep (:mod:`hfscale.sweep.loop`) and the simulation that checks its error rate
+(``tests/sweep/test_search.py``), and a resumed sweep re-derives where it stood from its rows.
+
+In order (``docs/search.md`` explains each choice):
+
+1. **Skip** (before anything runs, :func:`skip_by_estimate`): a trial whose predicted peak does not fit the budget
+   even if the estimate over-predicts by its measured error (:func:`skip_margin`).
+2. **First runs**: one short run of every surviving trial (its warm-up detected from its step times).
+3. **Over budget**: a trial whose measured peak does not fit is out (its rows stay).
+4. **Prune**: a trial slower than the leader beyond the noise: the ratio of geometric means over runs with the
+   sweep's pooled run-to-run noise (:mod:`hfscale.results.stats`, the verdicts' own statistics), its Dunnett
+   many-to-one interval (every contender against the leader) wholly below 1 and beyond the 2% noise threshold.
+   A decision on runs that never reached a steady state (MSER's truncation late in the run) says so.
+5. **Repeats for the contenders**: each round runs the leader and its strongest challenger once more (the leader
+   against the runner-up: the LUCB rule of Kalyanakrishnan et al. 2012, with the point estimate choosing the
+   challenger), up to ``measure.repeats`` runs each, until every other contender is pruned or equal to the leader
+   within the noise threshold (*decided*), the contenders have had their runs (*runs spent*: they tie within the
+   noise), or ``--max-time`` / ``--max-runs`` runs out.
+
+The least-memory question ("least memory at a throughput of at least X") walks the trials by measured memory
+instead: a trial whose speed interval lies below X is out (``too_slow``), the first whose interval lies at or above
+it is the answer, and runs go to the least-memory trial still undecided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hfscale.records.search import SearchDecision, StopReason
+from hfscale.results.stats import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_NOISE_THRESHOLD,
+    Interval,
+    RunNoise,
+    dunnett_critical,
+    pooled_noise,
+    sidak_critical,
+    within_threshold,
+)
+
+UNSTEADY_NOTE = "; its runs did not reach a steady state by MSER's rule (the figure is after the detected warm-up)"
+
+DEFAULT_SKIP_MARGIN = 0.25
+"""How much the estimate may over-predict a peak before a run says so: 25%, the largest over-prediction in the
+rows of ``results/bert_large-h100`` (bs4-adafactor: 5.62 GiB predicted, 4.50 GiB measured peak allocated; its
+estimate was made before the rule of ``docs/estimate.md`` was fitted). ``tests/sweep/test_search.py`` recomputes it
+from those rows. A run's own rows widen it when the estimate over-predicts more there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Question:
+    """What the search is to answer."""
+
+    budget_gib: float | None = None
+    """Memory per device a trial must fit (the figure the report checks: NVML process memory, else the allocator's
+    reserved peak, else the peak); None: no budget."""
+    min_samples_per_s: float | None = None
+    """None: the fastest trial that fits. A figure: the trial with the least memory whose samples/s is at least
+    this."""
+    confidence: float = DEFAULT_CONFIDENCE
+    noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+
+    def words(self) -> str:
+        """The question in words, for the report and ``search.json``."""
+        budget = self.budget_gib
+        within = f"within {budget:.2f} GiB per device" if budget is not None else "(no memory budget given)"
+        if self.min_samples_per_s is None:
+            return f"the fastest trial {within}"
+        return f"the trial with the least memory at >= {self.min_samples_per_s:g} samples/s {within}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What the search may spend."""
+
+    max_time_s: float | None = None
+    """Sum of the runs' wall times after which no run is started."""
+    max_runs: int | None = None
+    """Runs after which no run is started."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialState:
+    """One trial as the search sees it, read from its rows."""
+
+    name: str
+    rates: tuple[float, ...] = ()
+    """Each ok run's steady samples/s (the runs the statistics use)."""
+    runs: int = 0
+    """Runs launched."""
+    cap: int = 1
+    """The most runs it may have (the recipe's ``measure.repeats``)."""
+    fit_gib: float | None = None
+    """Its largest measured memory, the figure a budget is checked against."""
+    out: str | None = None
+    """Why it takes no further part: a failed run (status and reason), or a decision already recorded."""
+    unsteady: bool = False
+    """None of its runs reached a steady state by MSER's rule (the truncation point fell late in the run): a
+    decision on them says so. Not a gate: on runs of 10-20 steps the rule calls a third to a half of steady runs
+    unsteady (``docs/callbacks.md``), and the figure after the detected warm-up is the steady part either way."""
+
+    @property
+    def log_mean(self) -> float:
+        return sum(math.log(r) for r in self.rates) / len(self.rates) if self.rates else -math.inf
+
+
+@dataclass(frozen=True, kw_only=True)
+class Next:
+    """What :func:`next_step` decided: trials to run once more (in order), decisions to record, or the end."""
+
+    run: tuple[str, ...] = ()
+    decisions: tuple[SearchDecision, ...] = ()
+    stop: StopReason | None = None
+    stop_reason: str = ""
+    answer: str | None = None
+    """The leader (fastest question) or the qualifying trial (least-memory question); None when none is known."""
+    contenders: tuple[str, ...] = ()
+    """Trials still in the contest beside the answer: undecided against it, or equal to it within the noise
+    threshold (a decided fastest question)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """How far the sweep is: what :class:`Limits` are checked against."""
+
+    runs: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Look:
+    """One look at the evidence: the contenders ranked, the pooled noise, and the decisions taken so far."""
+
+    alive: list[TrialState]
+    noise: RunNoise
+    question: Question
+    progress: Progress
+    decisions: list[SearchDecision] = field(default_factory=list)
+
+    def decide(self, state: TrialState, **fields: Any) -> None:
+        runs, elapsed = self.progress.runs, self.progress.elapsed_s
+        decision = SearchDecision(trial=state.name, runs=len(state.rates), sweep_runs=runs, elapsed_s=elapsed, **fields)
+        self.decisions.append(decision)
+
+
+def skip_margin(errors: Sequence[float]) -> float:
+    """How much the estimate may over-predict: the largest over-prediction measured in this run (``errors``:
+    predicted / measured - 1 of its ok rows), and never less than :data:`DEFAULT_SKIP_MARGIN`."""
+    return max([DEFAULT_SKIP_MARGIN, *(e for e in errors if math.isfinite(e))])
+
+
+def skip_by_estimate(predicted_gib: float | None, budget_gib: float | None, margin: float) -> str | None:
+    """Why a trial is not run: its predicted peak does not fit ``budget_gib`` even if the estimate over-predicts by
+    ``margin``; None when it may fit (or there is no estimate or no budget)."""
+    if predicted_gib is None or budget_gib is None:
+        return None
+    lowest = predicted_gib / (1 + margin)
+    if lowest <= budget_gib:
+        return None
+    return (
+        f"predicted peak {predicted_gib:.2f} GiB: even {margin:.0%} below it ({lowest:.2f} GiB, the estimate's "
+        f"largest measured over-prediction) it does not fit the budget of {budget_gib:.2f} GiB"
+    )
+
+
+def next_step(states: Sequence[TrialState], question: Question, limits: Limits, progress: Progress) -> Next:
+    """The search's next move from the evidence in ``states`` (every trial of the sweep, decided ones included: their
+    runs count in the pooled noise)."""
+    alive = [s for s in states if s.out is None]
+    if not alive:
+        return Next(stop="no_trials", stop_reason="no trial is left to run (every one failed, was skipped or pruned)")
+    if first := tuple(s.name for s in alive if s.runs == 0):
+        return _limited(Next(run=first), limits, progress)
+    noise = pooled_noise({s.name: s.rates for s in states})
+    look = _Look(alive=alive, noise=noise, question=question, progress=progress)
+    _drop_over_budget(look)
+    floor = question.min_samples_per_s
+    step = _fastest(look) if floor is None else _frugal(look, floor)
+    step = Next(
+        run=step.run, decisions=tuple(look.decisions), stop=step.stop, stop_reason=step.stop_reason,
+        answer=step.answer, contenders=step.contenders,
+    )  # fmt: skip
+    return _limited(step, limits, progress)
+
+
+def _limited(step: Next, limits: Limits, progress: Progress) -> Next:
+    """``step`` with no more runs than ``--max-runs`` leaves, or the end (with the answer so far) once a budget is
+    spent. Time is checked here, before each round, and by the runner before each run."""
+    if not step.run:
+        return step
+    spent = None
+    if limits.max_runs is not None and progress.runs >= limits.max_runs:
+        spent = "run_budget_spent", f"the run budget is spent ({progress.runs} of --max-runs {limits.max_runs})"
+    elif limits.max_time_s is not None and progress.elapsed_s >= limits.max_time_s:
+        spent = (
+            "time_spent",
+            (
+                f"the time budget is spent ({progress.elapsed_s:.0f} s of summed run time, --max-time "
+                f"{limits.max_time_s:.0f} s)"
+            ),
+        )
+    if spent is None:
+        left = None if limits.max_runs is None else limits.max_runs - progress.runs
+        return step if left is None else dataclasses.replace(step, run=step.run[:left])
+    stop, why = spent
+    return Next(
+        decisions=step.decisions, stop=stop, stop_reason=f"{why}; undecided", answer=step.answer,
+        contenders=step.contenders or step.run,
+    )  # fmt: skip
+
+
+def _drop_over_budget(look: _Look) -> None:
+    """Trials whose measured figure does not fit the budget leave the contest (their rows stay)."""
+    budget = look.question.budget_gib
+    if budget is None:
+        return
+    for state in list(look.alive):
+        if state.fit_gib is not None and state.fit_gib > budget:
+            look.decide(
+                state,
+                kind="over_budget",
+                reason=f"measured {state.fit_gib:.3f} GiB (its largest run), over the budget of {budget:.3f} GiB",
+                measured_gib=state.fit_gib,
+                budget_gib=budget,
+            )
+            look.alive.remove(state)
+
+
+def _fastest(look: _Look) -> Next:
+    """The fastest-that-fits question: prune what is slower than the leader beyond the noise, then run the leader
+    and its strongest undecided challenger."""
+    ranked = sorted((s for s in look.alive if s.rates), key=lambda s: -s.log_mean)
+    if not ranked:
+        return Next(stop="nothing_fits", stop_reason="no trial that fits the budget has a speed measured")
+    leader, others = ranked[0], ranked[1:]
+    settled = {s.name: _settled(look, leader, others, s) for s in others}
+    undecided = [s for s in others if settled[s.name] is None]
+    if not undecided:
+        equal = tuple(name for name, said in settled.items() if said == "equal")
+        why = (
+            f"{leader.name} is the fastest: every other trial is pruned or within "
+            f"{look.question.noise_threshold:.0%} of it"
+            if others
+            else f"{leader.name} is the only trial left"
+        )
+        return Next(stop="decided", stop_reason=why, answer=leader.name, contenders=equal)
+    challenger = next((s for s in undecided if s.runs < s.cap), None)
+    run = [s.name for s in (leader, challenger) if s is not None and s.runs < s.cap]
+    if not run:
+        names = ", ".join(s.name for s in undecided)
+        why = (
+            f"{leader.name} and {names} cannot be told apart within the noise after {leader.cap} runs each "
+            "(measure.repeats): they tie"
+        )
+        return Next(stop="runs_spent", stop_reason=why, answer=leader.name, contenders=tuple(s.name for s in undecided))
+    return Next(run=tuple(run), answer=leader.name, contenders=tuple(s.name for s in undecided))
+
+
+def _settled(look: _Look, leader: TrialState, others: Sequence[TrialState], state: TrialState) -> str | None:
+    """How ``state`` stands against ``leader``: ``pruned`` (the decision recorded), ``equal`` within the noise
+    threshold, or None (undecided)."""
+    noise, question = look.noise, look.question
+    if noise.df < 1:
+        return None
+    critical = dunnett_critical(len(leader.rates), tuple(len(s.rates) for s in others), noise.df, question.confidence)
+    ratio = noise.ratio(state.rates, leader.rates, critical, question.confidence)
+    if ratio.high < 1 and not within_threshold(ratio.value, question.noise_threshold):
+        look.decide(
+            state,
+            kind="pruned",
+            reason=(
+                f"slower than {leader.name} beyond the noise: {ratio.value:.2f}x its speed (ratio of geometric means "
+                f"over runs, {question.confidence:.0%} interval {ratio.low:.2f}-{ratio.high:.2f}, {len(state.rates)} "
+                f"against {len(leader.rates)} runs; run-to-run sd of ln(samples/s) {noise.sd:.1%}, pooled on "
+                f"{noise.df} df)" + (UNSTEADY_NOTE if state.unsteady else "")
+            ),
+            leader=leader.name,
+            ratio=ratio.value,
+            ratio_low=ratio.low,
+            ratio_high=ratio.high,
+        )
+        return "pruned"
+    threshold = question.noise_threshold
+    return "equal" if within_threshold(ratio.low, threshold) and within_threshold(ratio.high, threshold) else None
+
+
+def _frugal(look: _Look, floor: float) -> Next:
+    """The least-memory question: walk the trials by measured memory; the first whose speed is at least ``floor``
+    beyond the noise is the answer; one below it beyond the noise is out; runs go to the first undecided one."""
+    by_memory = sorted(look.alive, key=lambda s: (s.fit_gib if s.fit_gib is not None else math.inf, s.name))
+    noise, question = look.noise, look.question
+    undecided: list[TrialState] = []
+    for state in by_memory:
+        if not state.rates:
+            continue
+        level = _level(noise, state, len(by_memory), question.confidence)
+        if level is not None and level.high < floor:
+            look.decide(
+                state,
+                kind="too_slow",
+                reason=(
+                    f"below {floor:g} samples/s beyond the noise: {level.value:.2f} samples/s (geometric mean over "
+                    f"runs, {question.confidence:.0%} Šidák interval {level.low:.2f}-{level.high:.2f})"
+                    + (UNSTEADY_NOTE if state.unsteady else "")
+                ),
+                ratio=level.value / floor,
+                ratio_low=level.low / floor,
+                ratio_high=level.high / floor,
+            )
+            continue
+        if level is not None and level.low >= floor:
+            contenders = tuple(s.name for s in undecided)
+            if not contenders:
+                why = f"{state.name} needs the least memory of the trials at >= {floor:g} samples/s"
+                return Next(stop="decided", stop_reason=why, answer=state.name)
+            why = (
+                f"{state.name} qualifies; {', '.join(contenders)} need less memory but cannot be placed against "
+                f"{floor:g} samples/s within the noise after their runs"
+            )
+            return Next(stop="runs_spent", stop_reason=why, answer=state.name, contenders=contenders)
+        if state.runs < state.cap:
+            return Next(run=(state.name,), contenders=(state.name,))
+        undecided.append(state)
+    if undecided:
+        names = ", ".join(s.name for s in undecided)
+        why = f"{names} cannot be placed against {floor:g} samples/s within the noise after their runs; none qualifies"
+        return Next(stop="runs_spent", stop_reason=why, contenders=tuple(s.name for s in undecided))
+    return Next(stop="nothing_fits", stop_reason=f"no trial that fits reaches {floor:g} samples/s")
+
+
+def _level(noise: RunNoise, state: TrialState, trials: int, confidence: float) -> Interval | None:
+    """``state``'s geometric mean samples/s over runs with its Šidák interval over ``trials`` (the pooled noise);
+    None without degrees of freedom."""
+    if noise.df < 1:
+        return None
+    critical = sidak_critical(trials, noise.df, confidence)
+    half = critical * noise.sd / math.sqrt(len(state.rates))
+    mean = state.log_mean
+    return Interval(
+        value=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), confidence=confidence,
+        samples=len(state.rates), repeats=len(state.rates),
+    )  # fmt: skip
+
+
+__all__ = [
+    "DEFAULT_SKIP_MARGIN",
+    "Limits",
+    "Next",
+    "Progress",
+    "Question",
+    "TrialState",
+    "next_step",
+    "skip_by_estimate",
+    "skip_margin",
+]
