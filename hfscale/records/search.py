@@ -74,7 +74,8 @@ class SearchSummary:
     elapsed_s: float = 0.0
     """Sum of the launched runs' wall times."""
     grid_runs: int = 0
-    """Runs the grid would have made: every trial's ``measure.repeats``."""
+    """Runs the grid would have made: every trial's ``measure.repeats``, one for a trial skipped on its estimate
+    (the grid does not repeat a trial whose first run fails)."""
     grid_estimate_s: float | None = None
     """What the grid would have taken: each trial's median measured wall time per run times its repeats (the
     median over all runs for a trial that never ran; a trial that ran only a short first run counts it, an

@@ -22,7 +22,8 @@ KIND_WORDS = {
 def cost_phrase(search: SearchSummary) -> str:
     """``15 runs (3:02 of summed run time) against the grid's 35 (about 7:10)``."""
     grid = f" (about {clock(search.grid_estimate_s)})" if search.grid_estimate_s is not None else ""
-    return f"{search.runs} runs ({clock(search.elapsed_s)} of run time) against the grid's {search.grid_runs}{grid}"
+    spent = f"{search.runs} runs ({clock(search.elapsed_s)} of summed run time)"
+    return f"{spent} against the grid's {search.grid_runs}{grid}"
 
 
 def search_sentence(search: SearchSummary) -> Text:
@@ -55,8 +56,9 @@ def search_paragraphs(search: SearchSummary) -> tuple[Text, ...]:
         rich("Question: {q}. Stopped ({stop}): {why}.", q=search.question, stop=search.stop, why=search.stop_reason),
         plain(
             f"Spent {cost_phrase(search)}. The grid's time is estimated from this run's own measurements: each trial's "
-            "median wall time per run times its measure.repeats (the median over all runs for a trial that never "
-            "ran); batch-search probes are counted in neither."
+            "median wall time per run times its measure.repeats (once for a trial skipped on its estimate: the grid "
+            "does not repeat a failed first run; the median over all runs for a trial that never ran); batch-search "
+            "probes are counted in neither."
         ),
         plain(
             f"A pruned trial's speed ratio to the leader had its {search.confidence:.0%} interval below 1 and its "

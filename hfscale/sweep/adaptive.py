@@ -159,21 +159,22 @@ def _state(run: PlannedRun, rows: list[TrialResult]) -> TrialState:
 
 
 def grid_cost(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> tuple[int, float | None]:
-    """Runs the grid would make (every trial ``measure.repeats`` times) and the time it would take: each trial's
-    median measured wall time per run times its repeats, the median over all runs for a trial that never ran."""
+    """Runs the grid would make and the time they would take: every trial ``measure.repeats`` times, but once for a
+    trial the search skipped on its estimate (the grid does not repeat a trial whose first run fails, and that one
+    is expected to); each run at the trial's median measured wall time, the median over all runs for a trial that
+    never ran."""
     walls: dict[str, list[float]] = {}
     for (name, _), row in stored.items():
         if row.wall_time_s is not None and row.status not in ("skipped", "pruned"):
             walls.setdefault(name, []).append(row.wall_time_s)
+    skipped = {name for (name, _), row in stored.items() if row.search is not None and row.search.kind == "skipped"}
+    counts = {run.name: 1 if run.name in skipped else run.trial.spec.measure.repeats for run in firsts}
     everything = [w for values in walls.values() for w in values]
     if not everything:
-        return sum(run.trial.spec.measure.repeats for run in firsts), None
+        return sum(counts.values()), None
     fallback = statistics.median(everything)
-    seconds = sum(
-        run.trial.spec.measure.repeats * (statistics.median(walls[run.name]) if run.name in walls else fallback)
-        for run in firsts
-    )
-    return sum(run.trial.spec.measure.repeats for run in firsts), seconds
+    seconds = sum(n * (statistics.median(walls[name]) if name in walls else fallback) for name, n in counts.items())
+    return sum(counts.values()), seconds
 
 
 @dataclass(kw_only=True)

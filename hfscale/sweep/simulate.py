@@ -46,7 +46,6 @@ class SimSearch:
 
     answer: str | None
     runs: int
-    grid_runs: int
     pruned: tuple[str, ...]
     skipped: tuple[str, ...]
     stop: str
@@ -79,7 +78,7 @@ def simulate_search(
                 pruned.append(decision.trial)
         if step.stop is not None:
             return SimSearch(
-                answer=step.answer, runs=runs, grid_runs=repeats * len(trials), pruned=tuple(pruned),
+                answer=step.answer, runs=runs, pruned=tuple(pruned),
                 skipped=tuple(n for n, why in out.items() if why == "skipped"), stop=step.stop,
             )  # fmt: skip
         for name in step.run:

@@ -94,6 +94,7 @@ def test_a_trial_the_estimate_says_cannot_fit_is_a_skipped_row_and_never_runs(tm
     assert skipped.status == "skipped" and skipped.search.kind == "skipped" and skipped.search.margin == 0.25
     assert skipped.search.predicted_gib / 1.25 > 1.0 and "does not fit the budget of 1.00 GiB" in skipped.reason
     assert all(name != "c" for name, _ in launched)
+    assert RunFolder(tmp_path / "run").search().grid_runs == 3 + 3 + 1  # the grid would run c once: it fails
 
 
 def test_only_contenders_get_their_largest_batch_searched_and_it_joins_the_search(tmp_path, monkeypatch):
