@@ -80,17 +80,21 @@ def _recommended(summary: Summary) -> Text:
 
 def runs_to_decide(summary: Summary) -> int | None:
     """Runs per trial that would rank the two fastest candidates: ``2 (Z sd / d)^2`` for a difference ``d`` of log
-    samples/s and the sweep's pooled run noise ``sd`` (at least :data:`MIN_RUNS`); :data:`MIN_RUNS` when the noise
-    is unknown (no trial ran twice); None when even :data:`MAX_RUNS` would not (a difference too small to chase)."""
+    samples/s and the run noise ``sd`` of the two (the sweep's pool where the trials share it), at least
+    :data:`MIN_RUNS`; :data:`MIN_RUNS` when the noise is unknown (no trial ran twice); None when even
+    :data:`MAX_RUNS` would not (a difference too small to chase)."""
     noise = summary.speed.noise
     ok = summary.trials[(summary.trials["status"] == "ok") & summary.trials["samples_per_s"].notna()]
     if noise.df < 1 or len(ok) < 2:
         return MIN_RUNS
-    top = ok["samples_per_s"].sort_values(ascending=False).to_numpy()
-    gap = math.log(top[0] / top[1])
+    top = ok["samples_per_s"].sort_values(ascending=False)
+    gap = math.log(top.iloc[0] / top.iloc[1])
     if gap <= 0:
         return None
-    runs = max(MIN_RUNS, math.ceil(2 * (Z * noise.sd / gap) ** 2))
+    sd = summary.speed.run_sd(*map(str, top.index[:2]))
+    if not math.isfinite(sd):
+        return MIN_RUNS
+    runs = max(MIN_RUNS, math.ceil(2 * (Z * sd / gap) ** 2))
     return runs if runs <= MAX_RUNS else None
 
 

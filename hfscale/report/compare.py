@@ -82,14 +82,14 @@ def significance(a: Summary, b: Summary) -> pd.DataFrame:
     evidence = _cross_evidence(a, b)
     common = [n for n in a.trials.index if n in b.trials.index]
     tested = [n for n in common if evidence.testable(f"A:{n}") is None and evidence.testable(f"B:{n}") is None]
-    critical = sidak_critical(len(tested), max(evidence.noise.df, 1), evidence.confidence)
+    comparisons, confidence = len(tested), evidence.confidence
     records = []
     for name in common:
         ra, rb = a.trials.loc[name], b.trials.loc[name]
         speed_a, speed_b = _float(ra["samples_per_s"]), _float(rb["samples_per_s"])
         if ra["status"] != "ok" or rb["status"] != "ok" or not speed_a or not speed_b:
             continue
-        said = evidence.compare(f"A:{name}", f"B:{name}", critical)
+        said = evidence.compare(f"A:{name}", f"B:{name}", lambda df: sidak_critical(comparisons, df, confidence))
         records.append(_change_record(name, speed_a / speed_b, said))
     columns = ["trial", "time_ratio", "time_ratio_low", "time_ratio_high", "change_pct", "change", "change_text"]
     return pd.DataFrame.from_records(records, columns=columns).set_index("trial", drop=False)

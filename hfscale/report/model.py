@@ -303,6 +303,13 @@ def noise_sentence(summary: Summary) -> str:
             "within 2% are shown as ties (≈); any larger ranking is untested: run each trial at least twice "
             "(measure.repeats: 3, or measure.target_precision)."
         )
+    elif not summary.speed.shared:
+        text = (
+            f"Intervals come from runs. The trials' run-to-run noise differs beyond chance (Bartlett's test, p = "
+            f"{summary.speed.shared_p:.1g}; {_noise_range(summary)}), so each trial's interval rests on its own runs "
+            "and each comparison on its two trials' own noise (Welch)"
+            + ("; verdicts against the baseline hold jointly at 95% (Dunnett's T3)." if summary.baseline else ".")
+        )
     else:
         text = (
             f"Intervals come from runs: the run-to-run noise pooled over {len(noise.trials)} trials "
@@ -315,6 +322,13 @@ def noise_sentence(summary: Summary) -> str:
     if summary.price_per_hour is not None:
         text += f" Costs assume {summary.price_per_hour:g} per device-hour (--price-per-hour)."
     return text
+
+
+def _noise_range(summary: Summary) -> str:
+    """The quietest and noisiest trials' own run-to-run noise, in words."""
+    own = sorted((summary.speed.run_sd(name), name) for name in summary.speed.noise.trials)
+    (low, quiet), (high, noisy) = own[0], own[-1]
+    return f"from {low:.1%} ({quiet}) to {high:.1%} ({noisy}) of a run's samples/s"
 
 
 def build_report(summary: Summary, figures: Sequence[Figure]) -> Report:

@@ -160,7 +160,8 @@ def _value(row: Mapping[str, Any], key: str) -> float | None:
 
 def sweep_columns(frame: pd.DataFrame, evidence: stats.SweepNoise) -> None:
     """Each trial's intervals from the sweep's pooled run-to-run noise, and the "may be unstable" flag of a trial
-    whose runs disagree beyond the pool, in place. ``run_noise_pct`` is the pooled noise the intervals rest on."""
+    whose runs disagree beyond the pool, in place. ``run_noise_pct`` is the run noise the intervals rest on: the
+    pool, or the trial's own where the trials do not share one noise."""
     for name in frame.index:
         if name in evidence.flagged:
             reason = frame.loc[name, "unstable_reason"]
@@ -169,7 +170,7 @@ def sweep_columns(frame: pd.DataFrame, evidence: stats.SweepNoise) -> None:
         level = evidence.level(name)
         if level is None:
             continue
-        frame.loc[name, "run_noise_pct"] = 100 * evidence.noise.sd if name not in evidence.flagged else math.nan
+        frame.loc[name, "run_noise_pct"] = 100 * evidence.run_sd(name) if name not in evidence.flagged else math.nan
         for key in ("samples_per_s", "tokens_per_s"):
             value = _value(frame.loc[name], key)
             if value is not None:  # the same relative interval: tokens per sample is fixed within a trial

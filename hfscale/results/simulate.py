@@ -51,10 +51,19 @@ def step_times(model: NoiseModel, rate: float, repeats: int, rng: np.random.Gene
 
 
 def sweep_runs(
-    model: NoiseModel, rates: Mapping[str, float], repeats: int, rng: np.random.Generator
+    model: NoiseModel,
+    rates: Mapping[str, float],
+    repeats: int,
+    rng: np.random.Generator,
+    own: Mapping[str, NoiseModel] | None = None,
 ) -> dict[str, list[float]]:
-    """One simulated sweep: each trial's per-run samples/s (one sample a step, over the run's mean step time)."""
-    return {name: list(1.0 / step_times(model, rate, repeats, rng).mean(axis=1)) for name, rate in rates.items()}
+    """One simulated sweep: each trial's per-run samples/s (one sample a step, over the run's mean step time);
+    ``own`` gives a trial a noise of its own (a multi-process trial on a CPU varies more than a single one)."""
+    own = own or {}
+    return {
+        name: list(1.0 / step_times(own.get(name, model), rate, repeats, rng).mean(axis=1))
+        for name, rate in rates.items()
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,16 +82,24 @@ class Calibration:
 
 
 def calibrate(
-    model: NoiseModel, rates: Mapping[str, float], baseline: str, *, repeats: int, sweeps: int, seed: int = 0
+    model: NoiseModel,
+    rates: Mapping[str, float],
+    baseline: str,
+    *,
+    repeats: int,
+    sweeps: int,
+    seed: int = 0,
+    own: Mapping[str, NoiseModel] | None = None,
 ) -> Calibration:
-    """Simulate ``sweeps`` sweeps of ``rates`` (trial -> true speed) and judge every trial against ``baseline``
-    with :meth:`hfscale.results.stats.SweepNoise.against`, the method the report uses."""
+    """Simulate ``sweeps`` sweeps of ``rates`` (trial -> true speed; ``own``: trials with a noise of their own)
+    and judge every trial against ``baseline`` with :meth:`hfscale.results.stats.SweepNoise.against`, the method
+    the report uses."""
     from hfscale.results.stats import sweep_noise
 
     rng = np.random.default_rng(seed)
     covered = compared = false_sweeps = found = different = untested = 0
     for _ in range(sweeps):
-        evidence = sweep_noise(sweep_runs(model, rates, repeats, rng))
+        evidence = sweep_noise(sweep_runs(model, rates, repeats, rng, own))
         false_here = False
         for name, rate in rates.items():
             if name == baseline:

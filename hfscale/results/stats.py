@@ -8,7 +8,13 @@ variance is pooled (a one-way analysis of variance): seven trials of two runs gi
 every comparison instead of one. A sweep compares many trials with one baseline; Dunnett's many-to-one critical
 value keeps the chance that it calls *any* identical trial faster or slower at 5%. Pairwise ties between arbitrary
 trials use the Tukey-Kramer critical value, and a comparison of the same trials in two sweeps uses Šidák's
-adjustment. ``docs/statistics.md`` explains the choice and ``tests/test_stats_calibration.py`` checks it by
+adjustment.
+
+Pooling assumes that the trials share one noise. Where Bartlett's test says they do not (a CPU sweep whose
+multi-process trials vary ten times more between runs than its single-process ones), a pooled figure would widen
+every quiet comparison and narrow every noisy one; each comparison then uses its two trials' own run-to-run
+variances (Welch's interval, Welch-Satterthwaite degrees of freedom) with Šidák's adjustment over the family
+(Dunnett's T3). ``docs/statistics.md`` explains the choice and ``tests/test_stats_calibration.py`` checks it by
 simulation.
 """
 
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +34,10 @@ DEFAULT_NOISE_THRESHOLD = 0.02
 OUTLIER_ALPHA = 0.01
 """A trial whose runs disagree beyond the rest of the sweep's pooled run-to-run noise at this level
 (Bonferroni-adjusted over the trials tested) is flagged and gets no verdict."""
+HOMOGENEITY_ALPHA = 0.01
+"""Bartlett's test of one shared run-to-run variance across the trials at this level: below it, each comparison
+uses its own two trials' variances (Welch) instead of the sweep's pool. Low, so that a sweep of trials that do
+share their noise keeps the pool's degrees of freedom in 99 sweeps of 100."""
 MIN_RUNS = 2
 """Runs each side needs before a difference is called: a trial's own runs must show that it shares the sweep's
 noise (one run cannot be tested against the pool)."""
@@ -134,6 +144,43 @@ def pooled_noise(runs: Mapping[str, Sequence[float]]) -> RunNoise:
             df += logs.size - 1
             names.append(name)
     return RunNoise(sd=math.sqrt(squares / df) if df else math.nan, df=df, trials=tuple(names))
+
+
+def shared_noise_p(runs: Mapping[str, Sequence[float]]) -> float | None:
+    """Bartlett's test that every trial with two or more runs has the same run-to-run variance of ln(samples/s):
+    its p-value, or None where it cannot be computed (fewer than two such trials, or a trial whose runs are equal)."""
+    variances, dfs = [], []
+    for values in runs.values():
+        logs = run_logs(values)
+        if logs.size >= 2:
+            variances.append(float(logs.var(ddof=1)))
+            dfs.append(logs.size - 1)
+    if len(variances) < 2 or min(variances) <= 0:
+        return None
+    v, d = np.asarray(variances), np.asarray(dfs, dtype=float)
+    total = d.sum()
+    pooled = float((d * v).sum() / total)
+    statistic = total * math.log(pooled) - float((d * np.log(v)).sum())
+    correction = 1 + (float((1 / d).sum()) - 1 / total) / (3 * (len(v) - 1))
+    from scipy.special import chdtrc
+
+    return float(chdtrc(len(v) - 1, statistic / correction))
+
+
+def welch_ratio(
+    top: Sequence[float], bottom: Sequence[float], critical: Callable[[int], float], confidence: float
+) -> Interval:
+    """``top`` over ``bottom`` (geometric means over runs) from each side's own run-to-run variance: Welch's
+    interval, ``critical(df)`` standard errors wide at the Welch-Satterthwaite degrees of freedom (rounded down)."""
+    a, b = run_logs(top), run_logs(bottom)
+    va, vb = float(a.var(ddof=1)) / a.size, float(b.var(ddof=1)) / b.size
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se > 0 else a.size + b.size - 2
+    half = critical(max(1, math.floor(df))) * se
+    return _interval(
+        float(a.mean() - b.mean()), half, confidence, "ratio of geometric means over runs (Welch: each side's own run "
+        "noise)", a.size + b.size, min(a.size, b.size),
+    )  # fmt: skip
 
 
 def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) -> dict[str, str]:
@@ -245,8 +292,22 @@ class SweepNoise:
     noise: RunNoise
     flagged: Mapping[str, str] = field(default_factory=dict)
     """Trials whose runs disagree beyond the pool, with the reason."""
+    shared_p: float | None = None
+    """Bartlett's p-value for one run-to-run variance shared by the trials (None: not computable)."""
     confidence: float = DEFAULT_CONFIDENCE
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+
+    @property
+    def shared(self) -> bool:
+        """Whether the trials may be taken to share one run-to-run noise (the pool); else comparisons are Welch's."""
+        return self.shared_p is None or self.shared_p >= HOMOGENEITY_ALPHA
+
+    def run_sd(self, *names: str) -> float:
+        """The run-to-run sd of ln(samples/s) that comparisons among ``names`` rest on: the sweep's pool, or where
+        the trials do not share their noise, the pool of these trials' own runs."""
+        if self.shared or not names:
+            return self.noise.sd
+        return pooled_noise({name: self.runs.get(name, ()) for name in names}).sd
 
     @functools.cached_property
     def _counts(self) -> dict[str, int]:
@@ -278,32 +339,42 @@ class SweepNoise:
         return list(self._family)
 
     def against(self, name: str, baseline: str) -> Comparison:
-        """``name`` against ``baseline`` within the many-to-one family of every testable trial (Dunnett)."""
+        """``name`` against ``baseline`` within the many-to-one family of every testable trial (Dunnett; Dunnett's
+        T3 where the trials do not share their noise)."""
         if (untested := self._untested(name, baseline)) is not None:
             return untested
         others = tuple(self._counts[n] for n in self._family if n != baseline)
-        critical = dunnett_critical(self._counts[baseline], others, self.noise.df, self.confidence)
-        return self.compare(name, baseline, critical)
+        control, confidence = self._counts[baseline], self.confidence
+        if self.shared:
+            return self.compare(name, baseline, lambda df: dunnett_critical(control, others, df, confidence))
+        return self.compare(name, baseline, lambda df: sidak_critical(len(others), df, confidence))
 
     def pair(self, a: str, b: str) -> Comparison:
-        """``a`` against ``b`` within the all-pairs family of every testable trial (Tukey-Kramer)."""
+        """``a`` against ``b`` within the all-pairs family of every testable trial (Tukey-Kramer; Dunnett's T3 where
+        the trials do not share their noise)."""
         if (untested := self._untested(a, b)) is not None:
             return untested
-        critical = tukey_critical(len(self._family), self.noise.df, self.confidence)
-        return self.compare(a, b, critical)
+        trials, confidence = len(self._family), self.confidence
+        if self.shared:
+            return self.compare(a, b, lambda df: tukey_critical(trials, df, confidence))
+        return self.compare(a, b, lambda df: sidak_critical(trials * (trials - 1) // 2, df, confidence))
 
-    def compare(self, top: str, bottom: str, critical: float) -> Comparison:
-        """``top`` against ``bottom`` with an interval ``critical`` standard errors wide (the caller's family)."""
+    def compare(self, top: str, bottom: str, critical: Callable[[int], float]) -> Comparison:
+        """``top`` against ``bottom`` with an interval ``critical(df)`` standard errors wide (the caller's family,
+        at the degrees of freedom of the noise used: the pool's, or Welch's where the trials do not share it)."""
         if (untested := self._untested(top, bottom)) is not None:
             return untested
-        ratio = self.noise.ratio(self.runs[top], self.runs[bottom], critical, self.confidence)
+        if self.shared:
+            ratio = self.noise.ratio(self.runs[top], self.runs[bottom], critical(self.noise.df), self.confidence)
+        else:
+            ratio = welch_ratio(self.runs[top], self.runs[bottom], critical, self.confidence)
         return Comparison(verdict=verdict(ratio, noise_threshold=self.noise_threshold), ratio=ratio)
 
     def level(self, name: str) -> Interval | None:
-        """``name``'s geometric mean over runs with its interval from the pool (a flagged trial: from its own runs,
-        which disagree more than the pool says)."""
-        if name in self.flagged:
-            return pooled_noise({name: self.runs[name]}).level(self.runs[name], self.confidence)
+        """``name``'s geometric mean over runs with its interval from the pool (from its own runs where it is
+        flagged or the trials do not share their noise)."""
+        if name in self.flagged or not self.shared:
+            return pooled_noise({name: self.runs.get(name, ())}).level(self.runs.get(name, ()), self.confidence)
         return self.noise.level(self.runs.get(name, ()), self.confidence)
 
 
@@ -327,7 +398,10 @@ def sweep_noise(
     # (simulated at 2 runs a trial: 5.4% of identical sweeps then called something, against 4.9% with it in).
     flagged = outliers(kept)
     noise = pooled_noise(kept)
-    return SweepNoise(runs=kept, noise=noise, flagged=flagged, confidence=confidence, noise_threshold=noise_threshold)
+    return SweepNoise(
+        runs=kept, noise=noise, flagged=flagged, shared_p=shared_noise_p(kept), confidence=confidence,
+        noise_threshold=noise_threshold,
+    )  # fmt: skip
 
 
 def coefficient_of_variation(values: Sequence[float]) -> float:
@@ -355,6 +429,7 @@ def batch_means_se(values: Sequence[float], batches: int = 5) -> float | None:
 __all__ = [
     "DEFAULT_CONFIDENCE",
     "DEFAULT_NOISE_THRESHOLD",
+    "HOMOGENEITY_ALPHA",
     "MIN_RUNS",
     "OUTLIER_ALPHA",
     "Comparison",
@@ -368,9 +443,11 @@ __all__ = [
     "outliers",
     "pooled_noise",
     "run_logs",
+    "shared_noise_p",
     "sidak_critical",
     "sweep_noise",
     "tukey_critical",
     "verdict",
+    "welch_ratio",
     "within_threshold",
 ]

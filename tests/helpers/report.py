@@ -235,14 +235,17 @@ CPU_HOG = MachineActivity(
 """What the activity sampler records when another process keeps a core busy during a trial: it flags the trial."""
 
 
-def runs_of(name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, cv: float = 0.03, **kw) -> list:
-    """``runs`` runs of one trial (strategy ``name`` over defaults), each 40 steps, their means 1% apart (run-to-run
-    drift)."""
+def runs_of(
+    name: str, mean_s: float, *, seed: int, runs: int = 2, peak: float = 4.0, cv: float = 0.03, drift: float = 0.01,
+    **kw,
+) -> list:  # fmt: skip
+    """``runs`` runs of one trial (strategy ``name`` over defaults), each 40 steps, their means ``drift`` apart
+    (run-to-run drift: 1% by default)."""
     strategy = Strategy(name=name)
     return [
         with_steps(
             ok_row(name, strategy, 8 / mean_s, peak, **kw),
-            noisy_steps(mean_s * (1 + 0.01 * k), 40, cv=cv, seed=seed + 10 * k),
+            noisy_steps(mean_s * (1 + drift * k), 40, cv=cv, seed=seed + 10 * k),
             repeat=k,
             repeats=runs,
         )

@@ -101,9 +101,12 @@ TINY_SWEEP_RECIPE = {
 # -- scripted launches: rows without processes, for the sweep's own logic --------------------------------------------
 
 
-def scripted_launches(monkeypatch, speed) -> list[tuple[str, int]]:
-    """Replace the launch of a trial's process group by an ok row measuring ``speed(trial, repeat)`` samples/s (4
-    steps of 4 samples); returns the (trial, repeat) launched, in order."""
+def scripted_launches(monkeypatch, speed=None, *, step_times=None, samples_per_step: int = 4) -> list[tuple[str, int]]:
+    """Replace the launch of a trial's process group by an ok row, measuring either ``speed(trial, repeat)``
+    samples/s (4 equal steps) or steps of ``step_times(trial, repeat)`` seconds, ``samples_per_step`` samples each;
+    returns the (trial, repeat) launched, in order."""
+    import statistics
+
     import hfscale.sweep.loop
     from hfscale.launch.rows import planned_row
     from hfscale.records.measurements import ThroughputSummary
@@ -111,16 +114,22 @@ def scripted_launches(monkeypatch, speed) -> list[tuple[str, int]]:
 
     launched = []
 
+    def times_of(name: str, repeat: int) -> list[float]:
+        if step_times is not None:
+            return list(step_times(name, repeat))
+        return [samples_per_step / speed(name, repeat)] * 4
+
     def launch_trial(run, folder, *, baseline, **_):
         if run.skip_reason is not None:
             return planned_row(run, baseline=baseline, status="skipped", reason=run.skip_reason)
         launched.append((run.name, run.repeat))
-        rate = speed(run.name, run.repeat)
+        times = times_of(run.name, run.repeat)
+        mean = sum(times) / len(times)
         throughput = ThroughputSummary(
-            samples_per_s=rate, tokens_per_s=None, step_time_median_s=4 / rate, step_time_p90_s=None,
-            step_time_mean_s=4 / rate, measured_steps=4, warmup_steps=1, samples_per_step=4,
-            tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None, peak_flops_per_s=None,
-            device_name="cpu", step_times_s=[4 / rate] * 4,
+            samples_per_s=samples_per_step / mean, tokens_per_s=None, step_time_median_s=statistics.median(times),
+            step_time_p90_s=None, step_time_mean_s=mean, measured_steps=len(times), warmup_steps=1,
+            samples_per_step=samples_per_step, tokens_per_sample=None, world_size=1, flops_per_token=None, mfu=None,
+            peak_flops_per_s=None, device_name="cpu", step_times_s=times,
         )  # fmt: skip
         measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
         return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)

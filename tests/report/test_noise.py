@@ -290,6 +290,26 @@ def test_a_real_cpu_hog_during_a_sweep_flags_its_rows_and_no_speed_claim_is_made
     assert summary.recommendation.fastest is None
 
 
+def test_trials_that_do_not_share_their_noise_are_judged_on_their_own_and_the_report_says_so() -> None:
+    """cpu_small on 2 cores: single-process trials 1-2% apart run to run, multi-process ones 15-20%. Pooled, the
+    noisy trials' variance made fast's 7% lead a tie; each pair's own noise decides it."""
+    from hfscale.report.model import noise_sentence
+
+    rows = [
+        *runs_of("base", 0.100, seed=1, runs=5, is_baseline=True),
+        *runs_of("fast", 0.093, seed=2, runs=5),
+        *(row for k in range(3) for row in runs_of(f"multi-{k}", 0.2, seed=3 + k, runs=5, drift=0.15)),
+    ]
+    summary = report.summarize(rows)
+    assert not summary.speed.shared and summary.speed.shared_p < 0.01
+    assert summary.trials.loc["fast", "verdict"] == "faster" and summary.trials.loc["fast", "speedup_low"] > 1.03
+    assert summary.recommendation.fastest == "fast"
+    assert summary.trials.loc["base", "run_noise_pct"] < 2 < 15 < summary.trials.loc["multi-0", "run_noise_pct"]
+    sentence = noise_sentence(summary)
+    assert "differs beyond chance (Bartlett's test" in sentence and "(Welch)" in sentence, sentence
+    assert "Dunnett's T3" in sentence
+
+
 def test_a_single_run_lead_is_said_to_be_untested() -> None:
     """One run each (with step times): the fastest is named, and its lead is said not to be tested."""
     rows = [_trial("base", 0.10, seed=1, is_baseline=True), _trial("fast", 0.09, seed=2)]

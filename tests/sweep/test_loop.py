@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.paths import REPO
-from helpers.runs import write_recipe
+from helpers.runs import scripted_launches, write_recipe
 
 from hfscale.commands.sweep import build_parser, main
 from hfscale.launch.group import LaunchInfo
@@ -69,49 +69,13 @@ def test_repeats_are_interleaved_so_drift_reaches_every_trial_alike(tmp_path):
     assert [r.index for r in runs] == list(range(8))
 
 
-def _scripted_launches(monkeypatch, step_times: dict[str, list[list[float]]]) -> list[tuple[str, int]]:
-    """Replace the launch of a trial's process group by rows whose steps take the given times (run k of a trial
-    gets ``step_times[name][k]``); returns the (trial, repeat) launched, in order."""
-    import hfscale.sweep.loop
-    from hfscale.launch.rows import planned_row
-    from hfscale.records.measurements import ThroughputSummary
-    from hfscale.records.row import TrialOutcome
-
-    launched = []
-
-    def launch_trial(run, folder, *, baseline, **_):
-        launched.append((run.name, run.repeat))
-        times = step_times[run.name][run.repeat]
-        throughput = ThroughputSummary(
-            samples_per_s=8 / (sum(times) / len(times)),
-            tokens_per_s=None,
-            step_time_median_s=None,
-            step_time_p90_s=None,
-            step_time_mean_s=sum(times) / len(times),
-            measured_steps=len(times),
-            warmup_steps=1,
-            samples_per_step=8,
-            tokens_per_sample=None,
-            world_size=1,
-            flops_per_token=None,
-            mfu=None,
-            peak_flops_per_s=None,
-            device_name="cpu",
-            step_times_s=times,
-        )
-        measured = TrialOutcome(trial=run.name, status="ok", throughput=throughput)
-        return planned_row(run, baseline=baseline, status="ok", measured=measured, wall_time_s=1.0)
-
-    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", launch_trial)
-    return launched
-
-
 def test_a_target_precision_adds_interleaved_runs_until_it_is_reached(tmp_path, monkeypatch):
     """Each trial is run three times (the fewest a sequential stop takes); the runs of "noisy" are 30-50% apart,
     which the sweep's pooled noise carries into every trial's interval, so both run on to max_repeats."""
     steady = [0.100, 0.101, 0.099, 0.100] * 5
     noisy_runs = [[t * f for t in steady] for f in (1.0, 1.5, 0.7, 1.3)]
-    launched = _scripted_launches(monkeypatch, {"steady": [steady] * 5, "noisy": noisy_runs})
+    runs = {"steady": [steady] * 5, "noisy": noisy_runs}
+    launched = scripted_launches(monkeypatch, step_times=lambda name, k: runs[name][k], samples_per_step=8)
     data = {
         "device": "cpu",
         "measure": {"target_precision": 0.05, "max_repeats": 4},
@@ -378,7 +342,7 @@ def test_a_sweep_that_ran_nothing_exits_non_zero_naming_the_cause_and_what_to_do
 def test_the_last_line_counts_the_recipe_trials_with_rows_beside_what_this_sweep_ran(tmp_path, capsys, monkeypatch):
     _no_gpu_here(monkeypatch)
     steps = [[0.1, 0.1, 0.1]]
-    _scripted_launches(monkeypatch, {"a": steps, "b": steps, "c": steps})
+    scripted_launches(monkeypatch, step_times=lambda name, k: steps[k], samples_per_step=8)
     recipe, run = write_recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
     assert main([str(recipe), "--run-dir", str(run), "--only", "a", "--no-report"]) == 0
     assert f"done: {run}: 1 row added (1 ok, 0 not ok); 1 of the recipe's 3 trials has rows" in capsys.readouterr().err
@@ -623,7 +587,6 @@ def _precision_sweep(tmp_path, monkeypatch, speeds):
     """A two-trial sweep with ``target_precision: 0.05`` whose launches are scripted: run k of a trial measures
     ``speeds[k]`` samples/s. Returns the rows by (trial, repeat)."""
     import yaml
-    from helpers.runs import scripted_launches
 
     from hfscale.results.run_folder import RunFolder
     from hfscale.sweep.loop import run_sweep
