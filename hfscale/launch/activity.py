@@ -44,7 +44,9 @@ class ActivitySampler:
         self._trial_pids: set[int] = set()
         self._thread: threading.Thread | None = None
         self._cpu_seen: dict[int, tuple[float, str]] = {}
-        self._other_cores: list[float] = []
+        self._other: list[tuple[float, float]] = []
+        """(CPU seconds of other processes, wall seconds) of each sample's window."""
+        self._last_sample = 0.0
         self._busy: dict[int, tuple[str, float]] = {}
         self._loads: list[float] = []
         self._gpu: dict[int, dict[str, Any]] = {}
@@ -54,7 +56,7 @@ class ActivitySampler:
     def start(self, trial_pgid: int | None = None) -> ActivitySampler:
         if trial_pgid is not None:
             self.trial_pgid = trial_pgid
-        self._start_wall = time.monotonic()
+        self._start_wall = self._last_sample = time.monotonic()
         self._start_times = _cpu_times()
         self._read_processes(first=True)
         self._read_gpus()  # the energy counter from the start, not from the first sample a second later
@@ -69,18 +71,24 @@ class ActivitySampler:
             return MachineActivity(samples=0, duration_s=0.0, cpu_count=os.cpu_count() or 1)
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
-            self._read_gpus()  # ... and to the end
+            self._sample()  # ... and to the end: the last part-window counts too
         duration = time.monotonic() - self._start_wall
         busy = sorted(self._busy.items(), key=lambda kv: -kv[1][1])[:5]
-        cores = self._other_cores
+        windows = self._other
+        # Time-weighted: a window stretched by a busy machine (the thread woke late) weighs what it lasted. The
+        # highest is over whole windows only: a few milliseconds' remainder says nothing of a core's use.
+        whole = [cpu / wall for cpu, wall in windows if wall >= self.interval_s / 2] or [
+            cpu / wall for cpu, wall in windows
+        ]
+        wall = sum(w for _, w in windows)
         return MachineActivity(
-            samples=len(cores),
+            samples=len(windows),
             duration_s=duration,
             cpu_count=os.cpu_count() or 1,
             load_avg_max=max(self._loads) if self._loads else None,
             steal_fraction=_steal_fraction(self._start_times, _cpu_times()),
-            other_cores_mean=sum(cores) / len(cores) if cores else None,
-            other_cores_max=max(cores) if cores else None,
+            other_cores_mean=sum(cpu for cpu, _ in windows) / wall if wall > 0 else None,
+            other_cores_max=max(whole) if whole else None,
             busy_processes=[
                 f"{name} ({pid}): {seconds / max(duration, 1e-9):.0%} of a core" for pid, (name, seconds) in busy
             ],
@@ -99,7 +107,10 @@ class ActivitySampler:
     def _sample(self) -> None:
         with contextlib.suppress(OSError):
             self._loads.append(os.getloadavg()[0])
-        self._other_cores.append(self._read_processes() / self.interval_s)
+        now = time.monotonic()
+        wall, self._last_sample = now - self._last_sample, now
+        if wall > 0:  # the window as it lasted, not as it was asked for (a loaded machine wakes this thread late)
+            self._other.append((self._read_processes(), wall))
         self._read_gpus()
 
     def _ours(self, pid: int) -> bool:
