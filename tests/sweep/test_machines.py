@@ -440,6 +440,7 @@ def sbatch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, fl
     return root / "run", root, wall
 
 
+@pytest.mark.slow
 def test_sbatch_script_runs_a_sweep_on_two_machines(sbatch_run: tuple[Path, Path, float]) -> None:
     run_dir, root, wall = sbatch_run
     print(f"sbatch script, 2 trials on 2 machines x 1 process: {wall:.1f} s wall")
@@ -462,6 +463,7 @@ def test_sbatch_script_runs_a_sweep_on_two_machines(sbatch_run: tuple[Path, Path
     assert "machine 1: 2 runs on several machines; logs in" in (root / "node1.log").read_text()
 
 
+@pytest.mark.slow
 def test_resume_on_two_machines_runs_only_what_machine_0_lacks(
     sbatch_run: tuple[Path, Path, float], tmp_path: Path
 ) -> None:
@@ -495,6 +497,7 @@ def test_resume_on_two_machines_runs_only_what_machine_0_lacks(
     assert len(json.loads((run_dir / "environment.json").read_text())["resumed"]) == 1
 
 
+@pytest.mark.slow
 def test_a_killed_second_machine_is_a_failure_row_and_the_sweep_finishes(tmp_path: Path) -> None:
     """Driver 1's whole process group is killed while the first trial trains: machine 0 records that trial as
     failed on machine 1, the next as not launched (machine 1 is gone), and finishes."""

@@ -47,6 +47,7 @@ def launch(tmp_path: Path, strategy: Strategy) -> TrialOutcome:
 # -- real runs -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_activation_offload_cpu_run_verified(tmp_path):
     outcome = launch(tmp_path, _cpu("act_offload", activation_offload=True))
     v = outcome.verification
@@ -55,6 +56,7 @@ def test_activation_offload_cpu_run_verified(tmp_path):
     assert v.ds_activation_checkpointing is None
 
 
+@pytest.mark.slow
 def test_deepspeed_cpu_checkpointing_run_verified(tmp_path):
     strategy = _cpu(
         "zero1_ds_ckpt",

@@ -274,6 +274,7 @@ def test_the_model_reloaded_for_tp_and_qlora_is_saved_in_bf16_and_loads_as_fp32(
 # -- tensor parallel on 2 CPU processes, through the Trainer ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     """The trial runner loads the model along its plan and accelerate runs the mesh over gloo (with
     :func:`hfscale.techniques.mesh.enable_mesh_on_cpu`): from inside the run, q_proj's weight is a DTensor

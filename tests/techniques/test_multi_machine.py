@@ -114,6 +114,7 @@ def assert_two_machines(rec: VerificationRecord) -> None:
 # -- the three real launches ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ddp_on_two_machines(ddp_2x2):
     machines, rec, wall_s = ddp_2x2
     assert_two_machines(rec)
@@ -128,6 +129,7 @@ def test_ddp_on_two_machines(ddp_2x2):
     print(f"DDP 2x2 launch: {wall_s:.1f} s wall")
 
 
+@pytest.mark.slow
 def test_zero3_on_two_machines(zero3_2x2):
     _, rec, wall_s = zero3_2x2
     assert_two_machines(rec)
@@ -137,6 +139,7 @@ def test_zero3_on_two_machines(zero3_2x2):
     print(f"ZeRO-3 2x2 launch: {wall_s:.1f} s wall")
 
 
+@pytest.mark.slow
 def test_hsdp_on_two_machines(hsdp_2x2):
     _, rec, wall_s = hsdp_2x2
     assert_two_machines(rec)
@@ -149,6 +152,7 @@ def test_hsdp_on_two_machines(hsdp_2x2):
     print(f"HSDP 2x2 launch: {wall_s:.1f} s wall")
 
 
+@pytest.mark.slow
 def test_fp32_loss_curves_agree_between_ddp_and_hsdp(ddp_2x2, hsdp_2x2):
     """Same seed, data and global batch: DDP and HSDP on 2 x 2 train the same model, so their fp32 loss curves
     agree to float tolerance (a loss scaled by the world size, ranks that saw the wrong data, or a shard that
