@@ -24,10 +24,7 @@ def _cuda_device_count() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip hardware-bound tests where the hardware is missing; they are collected, never deleted. Files with a
-    ``slow`` test run first (in their own order), so that two workers do not end on one long file alone."""
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group is kept
+    """Skip hardware-bound tests where the hardware is missing; they are collected, never deleted."""
     n_gpus = _cuda_device_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_multi = pytest.mark.skip(reason=f"needs 2+ CUDA devices, found {n_gpus}")

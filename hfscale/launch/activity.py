@@ -70,16 +70,15 @@ class ActivitySampler:
         if self._thread is None:
             return MachineActivity(samples=0, duration_s=0.0, cpu_count=os.cpu_count() or 1)
         self._thread.join(timeout=5)
-        with contextlib.suppress(Exception):
-            self._sample()  # ... and to the end: the last part-window counts too
+        # ... and to the end: the last part-window counts too where it is at least half a window (a few
+        # milliseconds' remainder says nothing of a core's use), and never beside a sampler thread still running.
+        if not self._thread.is_alive() and time.monotonic() - self._last_sample >= self.interval_s / 2:
+            with contextlib.suppress(Exception):
+                self._sample()
         duration = time.monotonic() - self._start_wall
         busy = sorted(self._busy.items(), key=lambda kv: -kv[1][1])[:5]
         windows = self._other
-        # Time-weighted: a window stretched by a busy machine (the thread woke late) weighs what it lasted. The
-        # highest is over whole windows only: a few milliseconds' remainder says nothing of a core's use.
-        whole = [cpu / wall for cpu, wall in windows if wall >= self.interval_s / 2] or [
-            cpu / wall for cpu, wall in windows
-        ]
+        # Time-weighted: a window stretched by a busy machine (the thread woke late) weighs what it lasted.
         wall = sum(w for _, w in windows)
         return MachineActivity(
             samples=len(windows),
@@ -88,7 +87,7 @@ class ActivitySampler:
             load_avg_max=max(self._loads) if self._loads else None,
             steal_fraction=_steal_fraction(self._start_times, _cpu_times()),
             other_cores_mean=sum(cpu for cpu, _ in windows) / wall if wall > 0 else None,
-            other_cores_max=max(whole) if whole else None,
+            other_cores_max=max((cpu / w for cpu, w in windows), default=None),
             busy_processes=[
                 f"{name} ({pid}): {seconds / max(duration, 1e-9):.0%} of a core" for pid, (name, seconds) in busy
             ],

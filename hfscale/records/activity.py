@@ -38,7 +38,8 @@ class MachineActivity:
     """What else the machine was doing during one trial: the means and maxima of samples taken once a second."""
 
     samples: int
-    """How many times the machine was sampled (0: the trial was too short for one sample)."""
+    """How many windows the machine was sampled over (0: the trial was too short for one; the last may be as short
+    as half a window)."""
     duration_s: float
     cpu_count: int
     load_avg_max: float | None = None
@@ -48,7 +49,7 @@ class MachineActivity:
     other_cores_mean: float | None = None
     """Cores used on average by processes that are neither the trial's nor the sweep driver's."""
     other_cores_max: float | None = None
-    """The largest one-second figure of the same."""
+    """The largest figure of one sampling window (about a second) of the same."""
     busy_processes: list[str] = field(default_factory=list)
     """The other processes that used the most CPU, as ``name (pid): N% of a core`` (at most 5)."""
     gpus: list[GpuActivity] = field(default_factory=list)

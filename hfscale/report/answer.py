@@ -15,6 +15,7 @@ from hfscale.report.columns import is_missing
 from hfscale.report.machine import format_bytes
 from hfscale.report.text import Span, Text, rich
 from hfscale.report.trace import search_sentence
+from hfscale.results.stats import sidak_critical
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -80,7 +81,8 @@ def _recommended(summary: Summary) -> Text:
 
 def runs_to_decide(summary: Summary) -> int | None:
     """Runs per trial that would rank the two fastest candidates: ``2 (Z sd / d)^2`` for a difference ``d`` of log
-    samples/s and the run noise ``sd`` of the two (the sweep's pool where the trials share it), at least
+    samples/s and the run noise ``sd`` of the two (the sweep's pool where the trials share it; where they do not,
+    the fewest runs whose Šidák interval on ``2 (n - 1)`` degrees of freedom excludes the gap), at least
     :data:`MIN_RUNS`; :data:`MIN_RUNS` when the noise is unknown (no trial ran twice); None when even
     :data:`MAX_RUNS` would not (a difference too small to chase)."""
     noise = summary.speed.noise
@@ -91,9 +93,17 @@ def runs_to_decide(summary: Summary) -> int | None:
     gap = math.log(top.iloc[0] / top.iloc[1])
     if gap <= 0:
         return None
-    sd = summary.speed.run_sd(*map(str, top.index[:2]))
+    speed = summary.speed
+    sd = speed.run_sd(*map(str, top.index[:2]))
     if not math.isfinite(sd):
         return MIN_RUNS
+    if not speed.shared:  # each pair on its own noise: few degrees of freedom, so count them (Šidák, as the verdicts)
+        family = max(len(speed.family()) - 1, 1)
+        enough = (
+            n for n in range(MIN_RUNS, MAX_RUNS + 1)
+            if gap >= sidak_critical(family, 2 * (n - 1), speed.confidence) * sd * math.sqrt(2 / n)
+        )  # fmt: skip
+        return next(enough, None)
     runs = max(MIN_RUNS, math.ceil(2 * (Z * sd / gap) ** 2))
     return runs if runs <= MAX_RUNS else None
 

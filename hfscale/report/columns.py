@@ -395,7 +395,7 @@ SLIM_COLUMNS: list[Column] = [
         unit="samples/s",
         cell=_speed_cell,
         definition="Steady-state samples/s of all processes, geometric mean over the trial's runs; the interval "
-        "rests on the run-to-run noise pooled over the sweep.",
+        "rests on the run-to-run noise pooled over the sweep (the trial's own where the trials do not share one).",
     ),
     Column(
         key="speedup_vs_baseline",

@@ -310,7 +310,8 @@ _CHANGE_COLUMNS = [
 ]
 CHANGE_NOTE = (
     "Time per sample is the reciprocal of samples/s (each run's steady figure, geometric mean over runs); its ratio "
-    "B/A comes with a 95% interval from the run-to-run noise of both sweeps' trials pooled, Šidák-adjusted over the "
+    "B/A comes with a 95% interval from the run-to-run noise of both sweeps' trials pooled (each trial's own where "
+    "they do not share one noise, Bartlett's test), Šidák-adjusted over the "
     "trials compared (the chance of calling any unchanged trial changed is 5%). It assumes both sweeps ran on "
     "machines of one kind: a machine that is slower as a whole shows as a change of every trial. No significant "
     "change: the interval holds 1 or the change is within 2% (the noise threshold). ± is half the interval's width. "

@@ -138,21 +138,24 @@ DEFINITIONS = (
     "process, is the unit of replication).",
     "**95% interval**: a t-interval on the log scale whose spread is the run-to-run noise **pooled over every trial "
     "of the sweep** (they ran interleaved on one machine and share its noise; **run noise** is that pooled standard "
-    "deviation); *single run, no interval*: no trial of the run ran twice, so there is no run-to-run noise to "
-    "measure and none is invented.",
+    "deviation), or the trial's own where Bartlett's test says the trials do not share one noise (the noise "
+    "sentence says so); *single run, no interval*: no run-to-run noise to measure, and none is invented.",
     "**step time CV** and **step mean SE**: how steady one run was (standard deviation / mean of its step times; the "
     "batch-means standard error of its mean step time, which allows for slow stretches), median over runs: "
     "diagnostics, never a verdict's interval. **tokens/s**: the same statistic in tokens (padding included); **real "
     "tokens/s** (shown where batches were padded): the tokens the attention mask keeps, median over runs.",
     "**speed-up**: the ratio of geometric means against the baseline with **Dunnett's** simultaneous 95% interval "
-    "(many trials against one baseline: the chance that a sweep calls any identical trial faster or slower is 5%); "
+    "(many trials against one baseline: the chance that a sweep calls any identical trial faster or slower is 5%; "
+    "Dunnett's T3, each pair's own noise, where the trials do not share one); "
     "**≈** and *tie* mark a tie: the interval holds 1, or the ratio is within 2% of 1 (the noise threshold). A "
     "difference is *untested* (with the reason in its badge) when either trial has fewer than two runs, or is "
     "flagged. Ties between other pairs (the recommendation, the budget table) use the Tukey-Kramer interval of all "
-    "pairs. How this was checked: docs/statistics.md in hfscale's repository.",
+    "pairs (Dunnett's T3 where the trials do not share one noise). How this was checked: docs/statistics.md in "
+    "hfscale's repository.",
     "**may be unstable**: the machine was busy during the trial (other processes on the cores or the GPU, stolen "
     "CPU time, clock throttling) or its runs disagree far beyond the sweep's pooled noise (an F test, 1% "
-    "Bonferroni-adjusted); such a trial gets no verdict and is not recommended on speed.",
+    "Bonferroni-adjusted; not where the trials do not share one noise, each then judged on its own); such a trial "
+    "gets no verdict and is not recommended on speed.",
     "**samples/s (Trainer)**: the Trainer's own `train_samples_per_second`, warm-up included. **wall time**: the "
     "whole process group, launch to exit (start-up, model build and engine set-up included); **train time**: the "
     "Trainer's `train_runtime`.",
@@ -307,7 +310,7 @@ def noise_sentence(summary: Summary) -> str:
         text = (
             f"Intervals come from runs. The trials' run-to-run noise differs beyond chance (Bartlett's test, p = "
             f"{summary.speed.shared_p:.1g}; {_noise_range(summary)}), so each trial's interval rests on its own runs "
-            "and each comparison on its two trials' own noise (Welch)"
+            "(a trial of one run has none) and each comparison on its two trials' own noise (Welch)"
             + ("; verdicts against the baseline hold jointly at 95% (Dunnett's T3)." if summary.baseline else ".")
         )
     else:

@@ -4,7 +4,8 @@ flags, energy.
 The unit of replication is the run. Each run that finished ok gives one figure, its steady samples/s (the samples
 of its measured steps over their time); a trial's samples/s is the **geometric mean over its runs**, and its 95%
 interval is a t-interval on the log scale whose standard deviation is the run-to-run noise **pooled over every
-trial of the sweep** (:func:`hfscale.results.stats.sweep_noise`). A speed-up against the baseline is the ratio of the
+trial of the sweep** (:func:`hfscale.results.stats.sweep_noise`), or the trial's own where the trials do not share
+one noise (then each comparison is Welch's, Dunnett's T3). A speed-up against the baseline is the ratio of the
 two geometric means with **Dunnett's** simultaneous 95% interval, so that the chance of calling any identical trial
 faster or slower in a whole sweep is 5%; a ratio whose interval holds 1, or that lies within the 2% noise threshold
 of it, is a tie. A difference is called only when both trials ran at least twice and neither is flagged (its
@@ -204,7 +205,8 @@ def speed_verdict(ratio: float | None, said: stats.Comparison | None) -> str | N
 def against(frame: pd.DataFrame, baseline: str | None, evidence: stats.SweepNoise) -> None:
     """Speed-up and memory saved against the baseline, with their intervals and the verdict, in place.
 
-    ``speedup_low``/``_high``: Dunnett's simultaneous interval of the ratio of geometric means (None where either
+    ``speedup_low``/``_high``: Dunnett's simultaneous interval of the ratio of geometric means (Dunnett's T3 where
+    the trials do not share one noise; None where either
     trial cannot be tested); ``verdict``: ``baseline``, ``faster``, ``slower``, ``tie`` or ``untested`` (see
     :func:`speed_verdict`), ``verdict_reason`` why a difference is untested; ``memory_saved_pct_low``/``_high``:
     from the peaks' range over repeats (None with one run each).

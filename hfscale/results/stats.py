@@ -111,7 +111,7 @@ class RunNoise:
         )
 
 
-def _t_quantile(p: float, df: int) -> float:
+def _t_quantile(p: float, df: float) -> float:
     """Student's t quantile, from scipy.special: importing scipy.stats costs about a second, which reading a run
     of one-comparison families need not pay."""
     from scipy.special import stdtrit
@@ -148,14 +148,15 @@ def pooled_noise(runs: Mapping[str, Sequence[float]]) -> RunNoise:
 
 def shared_noise_p(runs: Mapping[str, Sequence[float]]) -> float | None:
     """Bartlett's test that every trial with two or more runs has the same run-to-run variance of ln(samples/s):
-    its p-value, or None where it cannot be computed (fewer than two such trials, or a trial whose runs are equal)."""
+    its p-value, or None where it cannot be computed (fewer than two such trials). A trial whose runs are all equal
+    (only constructed rows do that) has no variance to compare and is left out."""
     variances, dfs = [], []
     for values in runs.values():
         logs = run_logs(values)
-        if logs.size >= 2:
-            variances.append(float(logs.var(ddof=1)))
+        if logs.size >= 2 and (variance := float(logs.var(ddof=1))) > 0:
+            variances.append(variance)
             dfs.append(logs.size - 1)
-    if len(variances) < 2 or min(variances) <= 0:
+    if len(variances) < 2:
         return None
     v, d = np.asarray(variances), np.asarray(dfs, dtype=float)
     total = d.sum()
@@ -168,15 +169,16 @@ def shared_noise_p(runs: Mapping[str, Sequence[float]]) -> float | None:
 
 
 def welch_ratio(
-    top: Sequence[float], bottom: Sequence[float], critical: Callable[[int], float], confidence: float
+    top: Sequence[float], bottom: Sequence[float], critical: Callable[[float], float], confidence: float
 ) -> Interval:
     """``top`` over ``bottom`` (geometric means over runs) from each side's own run-to-run variance: Welch's
-    interval, ``critical(df)`` standard errors wide at the Welch-Satterthwaite degrees of freedom (rounded down)."""
+    interval, ``critical(df)`` standard errors wide at the Welch-Satterthwaite degrees of freedom (not rounded: two
+    runs a side give 1-2 df, and rounding down to 1 would take t from 4.3 to 12.7)."""
     a, b = run_logs(top), run_logs(bottom)
     va, vb = float(a.var(ddof=1)) / a.size, float(b.var(ddof=1)) / b.size
     se = math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se > 0 else a.size + b.size - 2
-    half = critical(max(1, math.floor(df))) * se
+    half = critical(max(1.0, df)) * se
     return _interval(
         float(a.mean() - b.mean()), half, confidence, "ratio of geometric means over runs (Welch: each side's own run "
         "noise)", a.size + b.size, min(a.size, b.size),
@@ -249,7 +251,7 @@ def tukey_critical(trials: int, df: int, confidence: float) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def sidak_critical(comparisons: int, df: int, confidence: float) -> float:
+def sidak_critical(comparisons: int, df: float, confidence: float) -> float:
     """The t critical value that keeps ``comparisons`` independent two-sided tests at ``confidence`` jointly."""
     level = confidence ** (1 / max(comparisons, 1))
     return _t_quantile(0.5 + level / 2, df)
@@ -359,7 +361,7 @@ class SweepNoise:
             return self.compare(a, b, lambda df: tukey_critical(trials, df, confidence))
         return self.compare(a, b, lambda df: sidak_critical(trials * (trials - 1) // 2, df, confidence))
 
-    def compare(self, top: str, bottom: str, critical: Callable[[int], float]) -> Comparison:
+    def compare(self, top: str, bottom: str, critical: Callable[[float], float]) -> Comparison:
         """``top`` against ``bottom`` with an interval ``critical(df)`` standard errors wide (the caller's family,
         at the degrees of freedom of the noise used: the pool's, or Welch's where the trials do not share it)."""
         if (untested := self._untested(top, bottom)) is not None:
@@ -398,8 +400,14 @@ def sweep_noise(
     # (simulated at 2 runs a trial: 5.4% of identical sweeps then called something, against 4.9% with it in).
     flagged = outliers(kept)
     noise = pooled_noise(kept)
+    # Whether the trials share one noise is asked of those not flagged: one disturbed trial is its own problem, not
+    # evidence that the others differ. Where they do not share it, each trial is judged on its own runs, so a
+    # trial's runs disagreeing with the others' is no longer a reason to withhold its verdict.
+    shared_p = shared_noise_p({name: values for name, values in kept.items() if name not in flagged})
+    if shared_p is not None and shared_p < HOMOGENEITY_ALPHA:
+        flagged = {}
     return SweepNoise(
-        runs=kept, noise=noise, flagged=flagged, shared_p=shared_noise_p(kept), confidence=confidence,
+        runs=kept, noise=noise, flagged=flagged, shared_p=shared_p, confidence=confidence,
         noise_threshold=noise_threshold,
     )  # fmt: skip
 

@@ -40,7 +40,8 @@ def runs_for_precision(
 ) -> list[PlannedRun]:
     """One more run of every trial whose recipe asks for a target precision it has not reached (interleaved
     rounds, like the planned repeats): fewer than :data:`SEQUENTIAL_MIN_RUNS` ok runs, or a run-level interval
-    (its geometric mean over runs, the sweep's run-to-run noise pooled: the verdicts' own statistics) wider
+    (its geometric mean over runs, the verdicts' own statistics: the sweep's run-to-run noise pooled, or the
+    trial's own where the trials do not share one) wider
     than the target, while runs and time are left. A trial with a failed run, or on several machines (the
     other machines' drivers could not follow the decision), gets no more.
 

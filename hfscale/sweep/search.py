@@ -39,11 +39,14 @@ from hfscale.records.search import SearchDecision, StopReason
 from hfscale.results.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_NOISE_THRESHOLD,
+    HOMOGENEITY_ALPHA,
     Interval,
     RunNoise,
     dunnett_critical,
     pooled_noise,
+    shared_noise_p,
     sidak_critical,
+    welch_ratio,
     within_threshold,
 )
 
@@ -144,7 +147,13 @@ class _Look:
     noise: RunNoise
     question: Question
     progress: Progress
+    shared_p: float | None = None
+    """Bartlett's p for one run-to-run noise shared by the trials run twice or more (as the report's verdicts)."""
     decisions: list[SearchDecision] = field(default_factory=list)
+
+    @property
+    def shared(self) -> bool:
+        return self.shared_p is None or self.shared_p >= HOMOGENEITY_ALPHA
 
     def decide(self, state: TrialState, **fields: Any) -> None:
         runs, elapsed = self.progress.runs, self.progress.elapsed_s
@@ -180,8 +189,10 @@ def next_step(states: Sequence[TrialState], question: Question, limits: Limits, 
         return Next(stop="no_trials", stop_reason="no trial is left to run (every one failed, was skipped or pruned)")
     if first := tuple(s.name for s in alive if s.runs == 0):
         return _limited(Next(run=first), limits, progress)
-    noise = pooled_noise({s.name: s.rates for s in states})
-    look = _Look(alive=alive, noise=noise, question=question, progress=progress)
+    runs = {s.name: s.rates for s in states}
+    look = _Look(
+        alive=alive, noise=pooled_noise(runs), question=question, progress=progress, shared_p=shared_noise_p(runs)
+    )
     _drop_over_budget(look)
     floor = question.min_samples_per_s
     step = _fastest(look) if floor is None else _frugal(look, floor)
@@ -268,11 +279,11 @@ def _fastest(look: _Look) -> Next:
 def _settled(look: _Look, leader: TrialState, others: Sequence[TrialState], state: TrialState) -> str | None:
     """How ``state`` stands against ``leader``: ``pruned`` (the decision recorded), ``equal`` within the noise
     threshold, or None (undecided)."""
-    noise, question = look.noise, look.question
-    if noise.df < 1:
+    question = look.question
+    measured = _against_leader(look, leader, others, state)
+    if measured is None:
         return None
-    critical = dunnett_critical(len(leader.rates), tuple(len(s.rates) for s in others), noise.df, question.confidence)
-    ratio = noise.ratio(state.rates, leader.rates, critical, question.confidence)
+    ratio, noise_words = measured
     if ratio.high < 1 and not within_threshold(ratio.value, question.noise_threshold):
         look.decide(
             state,
@@ -280,8 +291,7 @@ def _settled(look: _Look, leader: TrialState, others: Sequence[TrialState], stat
             reason=(
                 f"slower than {leader.name} beyond the noise: {ratio.value:.2f}x its speed (ratio of geometric means "
                 f"over runs, {question.confidence:.0%} interval {ratio.low:.2f}-{ratio.high:.2f}, {len(state.rates)} "
-                f"against {len(leader.rates)} runs; run-to-run sd of ln(samples/s) {noise.sd:.1%}, pooled on "
-                f"{noise.df} df)" + (UNSTEADY_NOTE if state.unsteady else "")
+                f"against {len(leader.rates)} runs; {noise_words})" + (UNSTEADY_NOTE if state.unsteady else "")
             ),
             leader=leader.name,
             ratio=ratio.value,
@@ -293,6 +303,29 @@ def _settled(look: _Look, leader: TrialState, others: Sequence[TrialState], stat
     return "equal" if within_threshold(ratio.low, threshold) and within_threshold(ratio.high, threshold) else None
 
 
+def _against_leader(
+    look: _Look, leader: TrialState, others: Sequence[TrialState], state: TrialState
+) -> tuple[Interval, str] | None:
+    """``state`` over ``leader`` with its interval and the noise it rests on, in words; None while the noise is not
+    known: no trial ran twice, or the trials do not share one noise and a side has a single run (its own noise is
+    unknown until it runs again)."""
+    noise, confidence = look.noise, look.question.confidence
+    if look.shared:
+        if noise.df < 1:
+            return None
+        critical = dunnett_critical(len(leader.rates), tuple(len(s.rates) for s in others), noise.df, confidence)
+        words = f"run-to-run sd of ln(samples/s) {noise.sd:.1%}, pooled on {noise.df} df"
+        return noise.ratio(state.rates, leader.rates, critical, confidence), words
+    if min(len(state.rates), len(leader.rates)) < 2:
+        return None
+    ratio = welch_ratio(state.rates, leader.rates, lambda df: sidak_critical(len(others), df, confidence), confidence)
+    words = (
+        f"each side's own run-to-run noise (Welch, Šidák over {len(others)}): the trials do not share one "
+        f"(Bartlett's p = {look.shared_p:.1g})"
+    )
+    return ratio, words
+
+
 def _frugal(look: _Look, floor: float) -> Next:
     """The least-memory question: walk the trials by measured memory; the first whose speed is at least ``floor``
     beyond the noise is the answer; one below it beyond the noise is out; runs go to the first undecided one."""
@@ -302,7 +335,8 @@ def _frugal(look: _Look, floor: float) -> Next:
     for state in by_memory:
         if not state.rates:
             continue
-        level = _level(noise, state, len(by_memory), question.confidence)
+        own = noise if look.shared else pooled_noise({state.name: state.rates})
+        level = _level(own, state, len(by_memory), question.confidence)
         if level is not None and level.high < floor:
             look.decide(
                 state,
@@ -338,8 +372,8 @@ def _frugal(look: _Look, floor: float) -> Next:
 
 
 def _level(noise: RunNoise, state: TrialState, trials: int, confidence: float) -> Interval | None:
-    """``state``'s geometric mean samples/s over runs with its Šidák interval over ``trials`` (the pooled noise);
-    None without degrees of freedom."""
+    """``state``'s geometric mean samples/s over runs with its Šidák interval over ``trials`` from ``noise`` (the
+    pool, or the trial's own runs where the trials do not share one noise); None without degrees of freedom."""
     if noise.df < 1:
         return None
     critical = sidak_critical(trials, noise.df, confidence)

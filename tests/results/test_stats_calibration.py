@@ -81,6 +81,28 @@ MIXED = {"base": 1.0, "same": 1.0, "fast": 1.08, **{f"multi-{k}": 0.5 + 0.05 * k
 the fastest 8% ahead of the baseline."""
 
 
+SAME_UNEQUAL = {"base": 1.0, **{f"quiet-{k}": 1.0 for k in range(3)}, **{f"multi-{k}": 1.0 for k in range(3)}}
+"""Seven identical trials, four of them quiet and three noisy: every verdict of a speed difference is false."""
+
+
+FEW_RUNS_HIDE_UNEQUAL_NOISE = pytest.mark.xfail(
+    strict=True,
+    reason="known limit: at 2-3 runs Bartlett's test rarely sees that the noisy trials do not share the quiet ones' "
+    "noise, so they are judged on a pool smaller than their own (false claims in 11-13% / 6-7% of such sweeps)",
+)
+
+
+@pytest.mark.parametrize(
+    "repeats",
+    [pytest.param(2, marks=FEW_RUNS_HIDE_UNEQUAL_NOISE), pytest.param(3, marks=FEW_RUNS_HIDE_UNEQUAL_NOISE), 5],
+)
+def test_identical_trials_of_unequal_noise_are_rarely_called_different(repeats: int) -> None:
+    own = {name: NOISY_RUNS for name in SAME_UNEQUAL if name.startswith("multi")}
+    said = calibrate(QUIET_RUNS, SAME_UNEQUAL, "base", repeats=repeats, sweeps=SWEEPS, seed=20 + repeats, own=own)
+    assert said.coverage >= 0.93, said
+    assert said.false_verdict_sweeps <= FALSE_VERDICT_LIMIT, said
+
+
 def test_when_trials_do_not_share_their_noise_the_quiet_ones_are_still_told_apart() -> None:
     """Pooled over every trial, 5 runs found the 8% lead in a minority of sweeps; on each pair's own noise nearly
     always, and the identical quiet pair is still called different in at most 5% of sweeps."""
