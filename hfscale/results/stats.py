@@ -168,6 +168,12 @@ def shared_noise_p(runs: Mapping[str, Sequence[float]]) -> float | None:
     return float(chdtrc(len(v) - 1, statistic / correction))
 
 
+def shares_noise(p: float | None) -> bool:
+    """Whether trials may be pooled, from Bartlett's p (:func:`shared_noise_p`): not computable, or not below
+    :data:`HOMOGENEITY_ALPHA`."""
+    return p is None or p >= HOMOGENEITY_ALPHA
+
+
 def welch_ratio(
     top: Sequence[float], bottom: Sequence[float], critical: Callable[[float], float], confidence: float
 ) -> Interval:
@@ -302,7 +308,7 @@ class SweepNoise:
     @property
     def shared(self) -> bool:
         """Whether the trials may be taken to share one run-to-run noise (the pool); else comparisons are Welch's."""
-        return self.shared_p is None or self.shared_p >= HOMOGENEITY_ALPHA
+        return shares_noise(self.shared_p)
 
     def run_sd(self, *names: str) -> float:
         """The run-to-run sd of ln(samples/s) that comparisons among ``names`` rest on: the sweep's pool, or where
@@ -404,7 +410,7 @@ def sweep_noise(
     # evidence that the others differ. Where they do not share it, each trial is judged on its own runs, so a
     # trial's runs disagreeing with the others' is no longer a reason to withhold its verdict.
     shared_p = shared_noise_p({name: values for name, values in kept.items() if name not in flagged})
-    if shared_p is not None and shared_p < HOMOGENEITY_ALPHA:
+    if not shares_noise(shared_p):
         flagged = {}
     return SweepNoise(
         runs=kept, noise=noise, flagged=flagged, shared_p=shared_p, confidence=confidence,
@@ -452,6 +458,7 @@ __all__ = [
     "pooled_noise",
     "run_logs",
     "shared_noise_p",
+    "shares_noise",
     "sidak_critical",
     "sweep_noise",
     "tukey_critical",

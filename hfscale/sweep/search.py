@@ -39,12 +39,12 @@ from hfscale.records.search import SearchDecision, StopReason
 from hfscale.results.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_NOISE_THRESHOLD,
-    HOMOGENEITY_ALPHA,
     Interval,
     RunNoise,
     dunnett_critical,
     pooled_noise,
     shared_noise_p,
+    shares_noise,
     sidak_critical,
     welch_ratio,
     within_threshold,
@@ -153,7 +153,7 @@ class _Look:
 
     @property
     def shared(self) -> bool:
-        return self.shared_p is None or self.shared_p >= HOMOGENEITY_ALPHA
+        return shares_noise(self.shared_p)
 
     def decide(self, state: TrialState, **fields: Any) -> None:
         runs, elapsed = self.progress.runs, self.progress.elapsed_s
