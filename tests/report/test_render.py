@@ -128,7 +128,10 @@ def test_empty_run_still_reports(tmp_path: Path) -> None:
     assert "0 trials" in paths.markdown.read_text(encoding="utf-8") and paths.figures == ()
 
 
-@pytest.mark.parametrize("name", ["bert_large-h100", "cpu_small-cpu2", "cpu_techniques-cpu2"])
+@pytest.mark.parametrize(
+    "name",
+    ["bert_large-h100", "cpu_small-cpu2", "cpu_techniques-cpu2", "cpu_small-cpu2-adaptive", "cpu_budget-cpu2-adaptive"],
+)
 def test_committed_runs_rerender_with_the_same_numbers(name: str, tmp_path: Path) -> None:
     """Every number of the committed report's Trials and Memory tables comes back, except the optimizer of the
     fp16 trials whose first step was skipped (issue 11 item 14: now said, not shown as 0.000)."""
