@@ -7,7 +7,7 @@
 - a read-only run folder and a full one: a clear error naming the path, every row kept, ``--resume`` finishes
   once it is writable again (a real tmpfs mount where this machine allows it).
 
-The corrupt middle line and SIGHUP are in ``test_sweep.py``; the watchdog, orphaned groups and the row writes
+The corrupt middle line and SIGHUP are in ``tests/sweep/test_loop.py``; the watchdog, orphaned groups and the row writes
 one by one in ``test_process.py`` and ``test_run_folder.py``.
 """
 

@@ -404,12 +404,22 @@ def _wait_for_trial(run_dir: Path, name: str, deadline_s: float) -> int:
     raise AssertionError(f"trial {name} did not start within {deadline_s} s")
 
 
+FROM_A_TERMINAL = [
+    PY,
+    "-c",
+    "import runpy, signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "runpy.run_module('hfscale.sweep', run_name='__main__', alter_sys=True)",
+]
+"""``python -m hfscale.sweep`` with SIGHUP at its default, as a terminal starts it. The suite may itself run under
+``nohup`` (SIGHUP ignored, inherited by every child), and the sweep rightly keeps a signal its caller ignored."""
+
+
 @pytest.mark.slow
 def test_sighup_stops_the_sweep_like_sigterm_and_resume_applies_a_new_timeout(tmp_path):
     recipe, run = write_recipe(tmp_path, LONG_RECIPE), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     sweep = subprocess.Popen(
-        [PY, "-m", "hfscale.sweep", str(recipe), "--run-dir", str(run), "--no-report"],
+        [*FROM_A_TERMINAL, str(recipe), "--run-dir", str(run), "--no-report"],
         env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
