@@ -1,8 +1,9 @@
-"""Units: bytes in a GiB, and memory sizes as users write them (``16GiB``, ``80GB``)."""
+"""Units: bytes in a GiB, memory sizes as users write them (``16GiB``, ``80GB``), shares (``15%``) and noise floors."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 GIB = 2**30
 """Bytes in a GiB; every ``*_gib`` figure is bytes / GIB."""
@@ -46,3 +47,36 @@ def parse_memory_size(text: str) -> int:
     if size <= 0:
         raise ValueError(f"cannot read {text!r} as a memory size: it must be greater than zero")
     return int(size)
+
+
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*$")
+
+
+def parse_share(text: str) -> float | None:
+    """The fraction a share is written as: ``0.15`` or ``15%`` give 0.15; None when ``text`` is neither (a caller
+    may then read it as something else, such as a path)."""
+    match = _SHARE_RE.match(str(text))
+    if not match:
+        return None
+    return float(match.group(1)) / (100 if match.group(2) else 1)
+
+
+def noise_floor_spec(value: object, base: Path) -> str:
+    """A noise floor as the settings record it: a figure's fraction (``"0.15"``), or a run folder's absolute path
+    (a relative one is read from ``base``).
+
+    Raises:
+        ValueError: for a figure outside (0, 1) or a path that is not a run folder.
+    """
+    share = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else parse_share(str(value))
+    if share is not None:
+        if not 0 < share < 1:
+            raise ValueError(f"expected a run-to-run noise between 0 and 1 (0.15 or 15%), got {value!r}")
+        return repr(share)
+    folder = (base / str(value)).resolve()
+    if not (folder / "results.jsonl").is_file():
+        raise ValueError(
+            f"expected a run-to-run noise (0.15 or 15%) or the run folder of an earlier sweep on this machine (with "
+            f"its results.jsonl), got {value!r}"
+        )
+    return str(folder)

@@ -11,7 +11,10 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+from hfscale.core.units import noise_floor_spec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,17 @@ def _search_mode(text: str) -> str:
     if text not in ("grid", "adaptive"):
         raise argparse.ArgumentTypeError(f"expected grid or adaptive, got {text!r}")
     return text
+
+
+def _noise_floor(text: str) -> str:
+    """``--noise-floor``'s parser: a run-to-run noise (0.15, 15%), kept as its fraction, or a run folder, kept as its
+    absolute path (:func:`hfscale.sweep.adaptive.noise_floor_of` reads it)."""
+    import argparse
+
+    try:
+        return noise_floor_spec(text, Path.cwd())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _duration(text: str) -> float:
@@ -256,6 +270,21 @@ class SweepSettings:
         ),
     )
     """Adaptive: the run budget (over the recipe's ``sweep.max_runs``)."""
+    noise_floor: str | None = field(
+        default=None,
+        metadata=_option(
+            "--noise-floor",
+            "adaptive: take no trial's mean speed as known better than one run of this noise: a figure (15%%, "
+            "0.15) or the run folder of an earlier grid sweep on this machine, whose pooled run-to-run noise it "
+            "uses (on a shared or virtual machine, whose speed drifts over minutes)",
+            parse=_noise_floor,
+            metavar="NOISE|RUN_DIR",
+            group="search",
+            resume="keep",
+        ),
+    )
+    """Adaptive: the noise floor, a fraction or a run folder's absolute path (over the recipe's
+    ``sweep.noise_floor``; :func:`hfscale.sweep.adaptive.noise_floor_of` reads it)."""
     machine_wait_s: float = field(
         default=600.0,
         metadata=_option(

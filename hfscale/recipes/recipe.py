@@ -37,6 +37,7 @@ written in :mod:`hfscale.recipes.entries`, and the checks beyond types in :mod:`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from hfscale.core.units import noise_floor_spec
 from hfscale.core.validation import Invalid, build, convert, field_types, join_path, reject_unknown, show_value
 from hfscale.recipes.catalog import recipe_names, resolve_recipe, shipped_recipe
 from hfscale.recipes.checks import (
@@ -77,7 +79,7 @@ from hfscale.recipes.schema import (
     ShippedRecipe,
     SweepOptions,
 )
-from hfscale.recipes.workload import check_script_trial, parse_workload, resolve_factories
+from hfscale.recipes.workload import check_script_trial, parse_workload, recipe_folder, resolve_factories
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, ScriptSpec, TrialSpec
@@ -208,7 +210,7 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     run = build(RunSpec, run_raw, "run")
     training_args = convert(dict[str, Any], data.get("training_args") or {}, "training_args")
     training_args = check_training_args(training_args)
-    sweep = build(SweepOptions, data.get("sweep") or {}, "sweep")
+    sweep = _with_noise_floor(build(SweepOptions, data.get("sweep") or {}, "sweep"), source)
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise Invalid("defaults", f"expected a mapping of strategy fields, got {show_value(defaults)}")
@@ -292,6 +294,17 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
 
 def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSpec | None:
     return None if script is None else ScriptSpec(path=script.path, args=(*script.args, *extra))
+
+
+def _with_noise_floor(sweep: SweepOptions, source: str) -> SweepOptions:
+    """``sweep.noise_floor`` as the settings record it: a figure's fraction, or a run folder's absolute path (a
+    relative one is read from the recipe's folder)."""
+    if sweep.noise_floor is None:
+        return sweep
+    try:
+        return dataclasses.replace(sweep, noise_floor=noise_floor_spec(sweep.noise_floor, recipe_folder(source)))
+    except ValueError as exc:
+        raise Invalid("sweep.noise_floor", str(exc)) from exc
 
 
 def _check_search(sweep: SweepOptions, trials: list[RecipeTrial]) -> None:

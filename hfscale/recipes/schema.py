@@ -71,6 +71,10 @@ class SweepOptions:
     """Adaptive: start no run once the runs took this many seconds of wall time in all (``--max-time``)."""
     max_runs: int | None = None
     """Adaptive: run at most this many (``--max-runs``)."""
+    noise_floor: float | str | None = None
+    """Adaptive: take no trial's mean speed as known better than one run of this noise: a figure (0.15, ``15%``) or
+    the run folder of an earlier grid sweep on this machine, relative to the recipe's folder (``--noise-floor``;
+    ``docs/search.md``)."""
 
     def __post_init__(self) -> None:
         if self.batch not in ("fixed", "max", "both"):

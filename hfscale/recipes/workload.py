@@ -38,7 +38,7 @@ def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
         raise Invalid("workload.script", "missing: the path of your training script (relative to the recipe's folder)")
     written = Path(convert(str, raw["script"], "workload.script"))
     args = convert(list[str], raw.get("args") or [], "workload.args")
-    folder = _recipe_folder(source)
+    folder = recipe_folder(source)
     path = written if written.is_absolute() else folder / written
     if not path.is_file():
         raise Invalid("workload.script", f"{path} does not exist (a relative path is read from the recipe's folder)")
@@ -55,12 +55,14 @@ def resolve_factories(spec: Any, source: str) -> Any:
         return spec
     key = "model.factory" if isinstance(spec, ModelSpec) else "data.factory"
     try:
-        return dataclasses.replace(spec, factory=resolve_reference(spec.factory, _recipe_folder(source)))
+        return dataclasses.replace(spec, factory=resolve_reference(spec.factory, recipe_folder(source)))
     except ValueError as exc:
         raise Invalid(key, str(exc)) from exc
 
 
-def _recipe_folder(source: str) -> Path:
+def recipe_folder(source: str) -> Path:
+    """Where a recipe's relative paths are read from: its file's folder (the working directory for a recipe given
+    as text)."""
     return Path(source).resolve().parent if Path(source).is_file() else Path.cwd()
 
 

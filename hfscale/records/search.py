@@ -8,6 +8,7 @@ without importing it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,37 @@ StopReason = Literal["decided", "runs_spent", "time_spent", "run_budget_spent", 
 contenders left have run as often as a trial may (``measure.repeats``) and still cannot be told apart; time_spent /
 run_budget_spent: ``--max-time`` / ``--max-runs`` ran out first; nothing_fits: no trial fits the budget or meets the
 floor; no_trials: nothing was left to run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseFloor:
+    """The least uncertainty a trial's mean speed may be given: that of one run of this machine over a longer time
+    than the runs being judged.
+
+    Where a machine's speed drifts over minutes (a shared or virtual machine), runs of one trial made close together
+    share the drift: they agree with each other, and their mean is no better known than one run taken at another
+    time, however many there are. A grid spreads each trial's runs over the whole sweep, so its pooled run-to-run
+    noise is this floor's natural source; an adaptive search, whose repeats run minutes apart, uses it
+    (``docs/search.md``)."""
+
+    sd: float
+    """Standard deviation of ln(samples/s) of one run (0.15: about 15%)."""
+    df: int | None = None
+    """Its degrees of freedom where it was estimated (a run folder's pool); None for a figure given as such, taken
+    as known."""
+    source: str = ""
+    """Where it comes from, in words ("the pooled run noise of runs/grid: 7 trials, 28 df")."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.sd) and self.sd > 0):
+            raise ValueError(f"noise floor: expected a run-to-run noise above 0 (0.15 for 15%), got {self.sd}")
+        if self.df is not None and self.df < 1:
+            raise ValueError(f"noise floor: expected at least 1 degree of freedom, got {self.df}")
+
+    @property
+    def dof(self) -> float:
+        """Degrees of freedom for a critical value: infinite for a figure taken as known."""
+        return math.inf if self.df is None else float(self.df)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +114,8 @@ class SearchSummary:
     under-estimate)."""
     confidence: float = 0.95
     """Of the intervals the decisions were taken on (Dunnett's many-to-one over the contenders)."""
+    noise_floor: NoiseFloor | None = None
+    """The least uncertainty of a trial's mean the decisions assumed (``--noise-floor``); None: none given."""
     trace: tuple[SearchDecision, ...] = field(default_factory=tuple)
     """Every decision, in the order taken."""
 
@@ -98,4 +132,4 @@ class SearchSummary:
         return TypeAdapter(SearchSummary).validate_python(data)
 
 
-__all__ = ["DecisionKind", "SearchDecision", "SearchSummary", "StopReason"]
+__all__ = ["DecisionKind", "NoiseFloor", "SearchDecision", "SearchSummary", "StopReason"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hfscale.core.units import GIB
 from hfscale.records.batch import BatchSearchRecord
 from hfscale.records.row import TrialResult
-from hfscale.records.search import SearchSummary
+from hfscale.records.search import NoiseFloor, SearchSummary
 from hfscale.report.coverage import Coverage, coverage
 from hfscale.report.noise import NOISE_KEYS, against, sweep_columns, trial_noise
 from hfscale.report.ranks import rank_memory_records
@@ -134,13 +134,16 @@ def summarize(
     price_per_hour: float | None = None,
     coverage: Coverage | None = None,
     machines: Sequence[MachineEnvironment] = (),
+    noise_floor: NoiseFloor | None = None,
 ) -> Summary:
     """The comparison table, baseline, Pareto front and recommendation of a run's rows.
 
     Without ``memory_budget_bytes`` the budget is the GPU memory ``environment.json`` records
     (:func:`hfscale.results.environment.gpu_memory_bytes`), else there is none and the recommendation says so. With
     ``price_per_hour`` (one device for an hour, any currency) the table has ``cost_per_m_tokens``. With
-    ``machines`` (each machine's record of a multi-machine run) the budget is the smallest GPU of any machine.
+    ``machines`` (each machine's record of a multi-machine run) the budget is the smallest GPU of any machine. With
+    ``noise_floor`` (an adaptive search's) no trial's mean is taken as known better than one run of it, as the
+    search took none.
 
     Raises:
         ReportError: for a price per hour that is not a positive number.
@@ -155,7 +158,7 @@ def summarize(
     noise = {name: trial_noise(group) for name, group in groups}
     frame = _trial_frame(groups, noise, price_per_hour)
     baseline, baseline_note = _baseline(rows, groups, frame)
-    evidence = sweep_noise({name: rates for name, (_, rates) in noise.items()})
+    evidence = sweep_noise({name: rates for name, (_, rates) in noise.items()}, floor=noise_floor)
     sweep_columns(frame, evidence)
     against(frame, baseline, evidence)
     if baseline is not None:
@@ -333,6 +336,7 @@ def summarize_run(
         price_per_hour=price_per_hour,
         coverage=coverage(folder, (r.trial for r in rows)),
         machines=machines,
+        noise_floor=search.noise_floor if search is not None else None,
     )
     return dataclasses.replace(summary, search=search)
 

@@ -319,6 +319,11 @@ def noise_sentence(summary: Summary) -> str:
             f"({noise.df} degrees of freedom) is {noise.sd:.1%} of a run's samples/s"
             + ("; verdicts against the baseline hold jointly at 95% (Dunnett)." if summary.baseline else ".")
         )
+    if (floor := summary.speed.floor) is not None and len(ok):
+        text += (
+            f" The adaptive search's noise floor holds here too: no trial's mean is taken as known better than one "
+            f"run of {floor.sd:.1%} ({floor.source}), and each family of intervals is Šidák-adjusted."
+        )
     unstable = list(ok.index[ok["unstable"].fillna(False).astype(bool)]) if len(ok) else []
     if unstable:
         text += f" May be unstable (no verdict, not recommended on speed; reasons in the notes): {', '.join(unstable)}."

@@ -67,6 +67,23 @@ def search_paragraphs(search: SearchSummary) -> tuple[Text, ...]:
             "Šidák interval below the floor. A skipped trial's estimate did not fit the budget even at its largest "
             "measured over-prediction. Their runs stay in the tables as measured; they are never recommended."
         ),
+        plain(_floor_words(search)),
+    )
+
+
+def _floor_words(search: SearchSummary) -> str:
+    """What noise the decisions rested on beside their own runs."""
+    floor = search.noise_floor
+    if floor is None:
+        return (
+            "No noise floor was given: the noise is the one the search's runs measured, over the minutes they ran. On "
+            "a machine whose speed drifts (shared, virtual), confirm a decided answer later or by the grid, or give "
+            "--noise-floor (docs/search.md)."
+        )
+    return (
+        f"Noise floor: {floor.sd:.1%} of one run ({floor.source}): no trial's mean speed was taken as known better "
+        "than one run of it, however many runs it had (Šidák over the contenders instead of Dunnett); the verdicts "
+        "of this report use it too."
     )
 
 

@@ -16,6 +16,10 @@ every quiet comparison and narrow every noisy one; each comparison then uses its
 variances (Welch's interval, Welch-Satterthwaite degrees of freedom) with Šidák's adjustment over the family
 (Dunnett's T3). ``docs/statistics.md`` explains the choice and ``tests/test_stats_calibration.py`` checks it by
 simulation.
+
+Both take runs as independent. Where a machine's speed drifts over minutes, runs made close together (an adaptive
+search's repeats) agree more than the machine does; given a :class:`~hfscale.records.search.NoiseFloor` measured
+over a longer time (a grid's pool), :func:`floored_ratio` takes no trial's mean as known better than one run of it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,19 @@ from typing import Literal
 
 import numpy as np
 
-DEFAULT_CONFIDENCE = 0.95
+from hfscale.records.search import NoiseFloor
+from hfscale.results.critical import dunnett_critical, sidak_critical, t_quantile, tukey_critical
+from hfscale.results.intervals import (
+    DEFAULT_CONFIDENCE,
+    Interval,
+    RunNoise,
+    floored_level,
+    floored_ratio,
+    pooled_noise,
+    run_logs,
+    welch_ratio,
+)
+
 DEFAULT_NOISE_THRESHOLD = 0.02
 """A ratio within 2% of 1 is a tie even when its interval excludes 1 (criterion.rs's default noise threshold)."""
 OUTLIER_ALPHA = 0.01
@@ -43,107 +59,6 @@ MIN_RUNS = 2
 noise (one run cannot be tested against the pool)."""
 
 Verdict = Literal["higher", "lower", "tie", "untested"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Interval:
-    """A statistic with its confidence interval."""
-
-    value: float
-    """The statistic (the point estimate)."""
-    low: float
-    high: float
-    confidence: float = DEFAULT_CONFIDENCE
-    statistic: str = "geometric mean over runs"
-    """What ``value`` is, in words a legend can print."""
-    samples: int = 0
-    """How many values it came from."""
-    repeats: int = 1
-    """How many independent runs those values came from (the smaller side of a ratio)."""
-
-    @property
-    def half_width_rel(self) -> float:
-        """Half the interval's width relative to the value (0.03: "± 3%")."""
-        if self.value == 0 or not math.isfinite(self.value):
-            return math.inf
-        return (self.high - self.low) / 2 / abs(self.value)
-
-    def contains(self, x: float) -> bool:
-        return self.low <= x <= self.high
-
-
-def run_logs(values: Sequence[float]) -> np.ndarray:
-    """The natural logs of one trial's per-run figures; non-finite or non-positive figures are dropped (a run
-    without a usable figure is no evidence, and never an error for the whole report)."""
-    array = np.asarray(values, dtype=float)
-    return np.log(array[np.isfinite(array) & (array > 0)])
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunNoise:
-    """The sweep's run-to-run noise: the pooled standard deviation of ln(samples/s) between runs of one trial."""
-
-    sd: float
-    """Pooled standard deviation of the log figure (0.05: runs of one trial differ by about 5%)."""
-    df: int
-    """Degrees of freedom, the sum over pooled trials of their runs less one."""
-    trials: tuple[str, ...] = ()
-    """The trials whose runs were pooled."""
-
-    def level(self, values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval | None:
-        """One trial's geometric mean over runs with its t-interval from the pooled noise; None without runs or
-        without degrees of freedom."""
-        logs = run_logs(values)
-        if not logs.size or self.df < 1:
-            return None
-        mean = float(logs.mean())
-        half = _t_quantile(0.5 + confidence / 2, self.df) * self.sd / math.sqrt(logs.size)
-        return _interval(mean, half, confidence, "geometric mean over runs", logs.size, logs.size)
-
-    def ratio(self, top: Sequence[float], bottom: Sequence[float], critical: float, confidence: float) -> Interval:
-        """``top`` over ``bottom`` (geometric means over runs) with the interval ``critical`` standard errors wide
-        on the log scale: exactly the reciprocal of ``ratio(bottom, top)``."""
-        a, b = run_logs(top), run_logs(bottom)
-        diff = float(a.mean() - b.mean())
-        half = critical * self.sd * math.sqrt(1 / a.size + 1 / b.size)
-        return _interval(
-            diff, half, confidence, "ratio of geometric means over runs", a.size + b.size, min(a.size, b.size)
-        )
-
-
-def _t_quantile(p: float, df: float) -> float:
-    """Student's t quantile, from scipy.special: importing scipy.stats costs about a second, which reading a run
-    of one-comparison families need not pay."""
-    from scipy.special import stdtrit
-
-    return float(stdtrit(df, p))
-
-
-def _interval(
-    log_value: float, log_half: float, confidence: float, statistic: str, samples: int, repeats: int
-) -> Interval:
-    return Interval(
-        value=math.exp(log_value),
-        low=math.exp(log_value - log_half),
-        high=math.exp(log_value + log_half),
-        confidence=confidence,
-        statistic=statistic,
-        samples=samples,
-        repeats=repeats,
-    )
-
-
-def pooled_noise(runs: Mapping[str, Sequence[float]]) -> RunNoise:
-    """The run-to-run noise pooled over every trial with two or more usable runs (``runs``: trial -> per-run
-    figures); ``df == 0`` when no trial has two."""
-    squares, df, names = 0.0, 0, []
-    for name, values in runs.items():
-        logs = run_logs(values)
-        if logs.size >= 2:
-            squares += float(((logs - logs.mean()) ** 2).sum())
-            df += logs.size - 1
-            names.append(name)
-    return RunNoise(sd=math.sqrt(squares / df) if df else math.nan, df=df, trials=tuple(names))
 
 
 def shared_noise_p(runs: Mapping[str, Sequence[float]]) -> float | None:
@@ -174,21 +89,34 @@ def shares_noise(p: float | None) -> bool:
     return p is None or p >= HOMOGENEITY_ALPHA
 
 
-def welch_ratio(
-    top: Sequence[float], bottom: Sequence[float], critical: Callable[[float], float], confidence: float
-) -> Interval:
-    """``top`` over ``bottom`` (geometric means over runs) from each side's own run-to-run variance: Welch's
-    interval, ``critical(df)`` standard errors wide at the Welch-Satterthwaite degrees of freedom (not rounded: two
-    runs a side give 1-2 df, and rounding down to 1 would take t from 4.3 to 12.7)."""
-    a, b = run_logs(top), run_logs(bottom)
-    va, vb = float(a.var(ddof=1)) / a.size, float(b.var(ddof=1)) / b.size
-    se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se > 0 else a.size + b.size - 2
-    half = critical(max(1.0, df)) * se
-    return _interval(
-        float(a.mean() - b.mean()), half, confidence, "ratio of geometric means over runs (Welch: each side's own run "
-        "noise)", a.size + b.size, min(a.size, b.size),
-    )  # fmt: skip
+def many_to_one(
+    top: Sequence[float],
+    control: Sequence[float],
+    *,
+    others: tuple[int, ...],
+    noise: RunNoise,
+    shared: bool,
+    confidence: float = DEFAULT_CONFIDENCE,
+    floor: NoiseFloor | None = None,
+) -> Interval | None:
+    """``top`` over ``control`` within a many-to-one family (``others``: the run counts of every trial compared with
+    the control): the pooled ``noise`` and Dunnett's critical value where the trials share one noise, else each
+    side's own (Welch's interval with Šidák's adjustment over the family: Dunnett's T3). With a ``floor``, neither
+    mean is taken as better known than one run of it (:func:`floored_ratio`, Šidák over the family). The report's
+    verdicts against the baseline and the search's against its leader both ask this; None where no interval can be
+    formed (no degrees of freedom, or a side whose own noise is unknown)."""
+    sidak = functools.partial(sidak_critical, len(others), confidence=confidence)
+    if floor is not None:
+        pool = noise if shared else None
+        return floored_ratio(top, control, noise=pool, floor=floor, critical=sidak, confidence=confidence)
+    if shared:
+        if noise.df < 1:
+            return None
+        critical = dunnett_critical(run_logs(control).size, others, noise.df, confidence)
+        return noise.ratio(top, control, critical, confidence)
+    if min(run_logs(top).size, run_logs(control).size) < 2:
+        return None
+    return welch_ratio(top, control, sidak, confidence)
 
 
 def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) -> dict[str, str]:
@@ -219,48 +147,6 @@ def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) 
                 f"p = {p:.1g})"
             )
     return flagged
-
-
-@functools.lru_cache(maxsize=256)
-def dunnett_critical(control_runs: int, runs: tuple[int, ...], df: int, confidence: float) -> float:
-    """Dunnett's two-sided critical value for comparing trials of ``runs`` runs each with one control of
-    ``control_runs`` runs, on ``df`` degrees of freedom: the ``c`` with P(max_i |T_i| <= c) = ``confidence``, the
-    T_i correlated through the shared control (Dunnett 1955; the multivariate t integral is scipy's)."""
-    if len(runs) == 1:
-        return _t_quantile(0.5 + confidence / 2, df)
-    from scipy import optimize
-    from scipy import stats as sps
-
-    weight = np.sqrt(np.asarray(runs, dtype=float) / (np.asarray(runs, dtype=float) + control_runs))
-    corr = np.outer(weight, weight)
-    np.fill_diagonal(corr, 1.0)
-    dist = sps.multivariate_t(shape=corr, df=df)
-    ones = np.ones(len(runs))
-
-    def coverage(c: float) -> float:
-        return float(dist.cdf(c * ones, lower_limit=-c * ones, random_state=0)) - confidence
-
-    high = _t_quantile(1 - (1 - confidence) / (2 * len(runs)), df)  # Bonferroni's bound is never below it
-    if coverage(high) <= 0:  # the integral's own error at weak correlation: Bonferroni's bound, conservative
-        return high
-    return float(optimize.brentq(coverage, _t_quantile(0.5 + confidence / 2, df), high, xtol=1e-4))
-
-
-@functools.lru_cache(maxsize=256)
-def tukey_critical(trials: int, df: int, confidence: float) -> float:
-    """Tukey-Kramer's critical value (in standard errors of a difference) for all pairs among ``trials``."""
-    from scipy import stats as sps
-
-    if trials < 2:
-        return math.nan
-    return float(sps.studentized_range.ppf(confidence, trials, df)) / math.sqrt(2)
-
-
-@functools.lru_cache(maxsize=256)
-def sidak_critical(comparisons: int, df: float, confidence: float) -> float:
-    """The t critical value that keeps ``comparisons`` independent two-sided tests at ``confidence`` jointly."""
-    level = confidence ** (1 / max(comparisons, 1))
-    return _t_quantile(0.5 + level / 2, df)
 
 
 def within_threshold(ratio: float, noise_threshold: float = DEFAULT_NOISE_THRESHOLD) -> bool:
@@ -304,6 +190,9 @@ class SweepNoise:
     """Bartlett's p-value for one run-to-run variance shared by the trials (None: not computable)."""
     confidence: float = DEFAULT_CONFIDENCE
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+    floor: NoiseFloor | None = None
+    """The least uncertainty of a trial's mean (an adaptive search's ``--noise-floor``): the verdicts then agree
+    with the search's decisions."""
 
     @property
     def shared(self) -> bool:
@@ -352,10 +241,14 @@ class SweepNoise:
         if (untested := self._untested(name, baseline)) is not None:
             return untested
         others = tuple(self._counts[n] for n in self._family if n != baseline)
-        control, confidence = self._counts[baseline], self.confidence
-        if self.shared:
-            return self.compare(name, baseline, lambda df: dunnett_critical(control, others, df, confidence))
-        return self.compare(name, baseline, lambda df: sidak_critical(len(others), df, confidence))
+        runs = self.runs
+        ratio = many_to_one(
+            runs[name], runs[baseline], others=others, noise=self.noise, shared=self.shared,
+            confidence=self.confidence, floor=self.floor,
+        )  # fmt: skip
+        if ratio is None:  # not reached: both sides are testable (two runs each, a pool with degrees of freedom)
+            return Comparison(verdict="untested", why="no run-to-run noise to test against")
+        return Comparison(verdict=verdict(ratio, noise_threshold=self.noise_threshold), ratio=ratio)
 
     def pair(self, a: str, b: str) -> Comparison:
         """``a`` against ``b`` within the all-pairs family of every testable trial (Tukey-Kramer; Dunnett's T3 where
@@ -363,7 +256,7 @@ class SweepNoise:
         if (untested := self._untested(a, b)) is not None:
             return untested
         trials, confidence = len(self._family), self.confidence
-        if self.shared:
+        if self.shared and self.floor is None:
             return self.compare(a, b, lambda df: tukey_critical(trials, df, confidence))
         return self.compare(a, b, lambda df: sidak_critical(trials * (trials - 1) // 2, df, confidence))
 
@@ -372,7 +265,15 @@ class SweepNoise:
         at the degrees of freedom of the noise used: the pool's, or Welch's where the trials do not share it)."""
         if (untested := self._untested(top, bottom)) is not None:
             return untested
-        if self.shared:
+        if self.floor is not None:
+            pool = self.noise if self.shared else None
+            ratio = floored_ratio(
+                self.runs[top], self.runs[bottom], noise=pool, floor=self.floor, critical=critical,
+                confidence=self.confidence,
+            )  # fmt: skip
+            if ratio is None:  # not reached: both sides are testable
+                return Comparison(verdict="untested", why="no run-to-run noise to test against")
+        elif self.shared:
             ratio = self.noise.ratio(self.runs[top], self.runs[bottom], critical(self.noise.df), self.confidence)
         else:
             ratio = welch_ratio(self.runs[top], self.runs[bottom], critical, self.confidence)
@@ -380,7 +281,12 @@ class SweepNoise:
 
     def level(self, name: str) -> Interval | None:
         """``name``'s geometric mean over runs with its interval from the pool (from its own runs where it is
-        flagged or the trials do not share their noise)."""
+        flagged or the trials do not share their noise), no narrower than one run of the floor where there is one."""
+        if self.floor is not None:
+            pool = self.noise if self.shared and name not in self.flagged else None
+            critical = functools.partial(t_quantile, 0.5 + self.confidence / 2)
+            values = self.runs.get(name, ())
+            return floored_level(values, noise=pool, floor=self.floor, critical=critical, confidence=self.confidence)
         if name in self.flagged or not self.shared:
             return pooled_noise({name: self.runs.get(name, ())}).level(self.runs.get(name, ()), self.confidence)
         return self.noise.level(self.runs.get(name, ()), self.confidence)
@@ -391,8 +297,10 @@ def sweep_noise(
     *,
     confidence: float = DEFAULT_CONFIDENCE,
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD,
+    floor: NoiseFloor | None = None,
 ) -> SweepNoise:
-    """The evidence of one sweep: ``runs`` maps each trial to its per-run figures (samples/s).
+    """The evidence of one sweep: ``runs`` maps each trial to its per-run figures (samples/s); ``floor``: the least
+    uncertainty of a trial's mean (an adaptive search's noise floor).
 
     Raises:
         ValueError: for a confidence outside (0, 1) or a negative noise threshold.
@@ -414,7 +322,7 @@ def sweep_noise(
         flagged = {}
     return SweepNoise(
         runs=kept, noise=noise, flagged=flagged, shared_p=shared_p, confidence=confidence,
-        noise_threshold=noise_threshold,
+        noise_threshold=noise_threshold, floor=floor,
     )  # fmt: skip
 
 
@@ -448,12 +356,16 @@ __all__ = [
     "OUTLIER_ALPHA",
     "Comparison",
     "Interval",
+    "NoiseFloor",
     "RunNoise",
     "SweepNoise",
     "Verdict",
     "batch_means_se",
     "coefficient_of_variation",
     "dunnett_critical",
+    "floored_level",
+    "floored_ratio",
+    "many_to_one",
     "outliers",
     "pooled_noise",
     "run_logs",

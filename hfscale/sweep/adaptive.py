@@ -15,16 +15,18 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hfscale.core.units import GIB
+from hfscale.core.units import GIB, parse_share
 from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
 from hfscale.recipes.recipe import adaptive_refusal
 from hfscale.recipes.schema import RecipeTrial, SweepOptions
 from hfscale.records.batch import max_batch_base
 from hfscale.records.row import TrialResult
-from hfscale.records.search import SearchDecision, SearchSummary
+from hfscale.records.search import NoiseFloor, SearchDecision, SearchSummary
 from hfscale.report.noise import run_rates
 from hfscale.report.trials import fit_memory
+from hfscale.results.run_folder import read_results
+from hfscale.results.stats import pooled_noise
 from hfscale.sweep.batch_axis import mark_max_batch, max_batch_trial
 from hfscale.sweep.search import (
     Limits,
@@ -46,7 +48,7 @@ MIN_SHORT_STEPS = 20
 are called unsteady, docs/callbacks.md), and the steps after it must hold a figure as steady as a full run's."""
 
 
-ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs")
+ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs", "noise_floor")
 """Settings that only an adaptive search reads: a grid refuses them rather than ignore them."""
 
 
@@ -88,6 +90,7 @@ def check_adaptive(trials: Sequence[RecipeTrial], settings: SweepSettings, *, nu
         )
     if (refusal := adaptive_refusal(trials)) is not None:
         raise SweepError(f"--search adaptive: {refusal[0]}: {refusal[1]}")
+    noise_floor_of(settings.noise_floor)
     several = [t.name for t in trials if t.spec.strategy.num_machines > 1]
     if several:
         raise SweepError(
@@ -101,7 +104,37 @@ def question_of(settings: SweepSettings, budget_bytes: int | None) -> Question:
     return Question(
         budget_gib=budget_bytes / GIB if budget_bytes is not None else None,
         min_samples_per_s=settings.min_samples_per_s,
+        noise_floor=noise_floor_of(settings.noise_floor),
     )
+
+
+def noise_floor_of(spec: str | None) -> NoiseFloor | None:
+    """The floor that ``--noise-floor`` / ``sweep.noise_floor`` recorded (:func:`hfscale.core.units.noise_floor_spec`):
+    a figure, taken as known, or a run folder, whose trials' ok runs give it (their pooled run-to-run noise).
+
+    Raises:
+        SweepError: for a run folder in which no trial has two ok runs, or that can no longer be read.
+    """
+    if spec is None:
+        return None
+    share = parse_share(spec)
+    if share is not None:
+        return NoiseFloor(sd=share, source=f"given as {share:.1%}")
+    try:
+        rows = read_results(spec)
+    except (OSError, ValueError) as exc:
+        raise SweepError(f"--noise-floor {spec}: cannot read its rows: {exc}") from exc
+    by_trial: dict[str, list[TrialResult]] = {}
+    for row in rows:
+        by_trial.setdefault(row.trial, []).append(row)
+    noise = pooled_noise({name: run_rates(group) for name, group in by_trial.items()})
+    if noise.df < 1:
+        raise SweepError(
+            f"--noise-floor {spec}: no trial there has two ok runs, so it measured no run-to-run noise; give a grid "
+            "sweep's folder (measure.repeats of 2 or more) or a figure (15%)"
+        )
+    source = f"the pooled run-to-run noise of {spec} ({len(noise.trials)} trials, {noise.df} df)"
+    return NoiseFloor(sd=noise.sd, df=noise.df, source=source)
 
 
 def first_run(run: PlannedRun) -> PlannedRun:
@@ -314,6 +347,7 @@ class AdaptiveSearch:
             stop=step.stop or "decided", stop_reason=step.stop_reason,
             answer=step.answer, contenders=step.contenders, runs=progress.runs, elapsed_s=progress.elapsed_s,
             grid_runs=grid_runs, grid_estimate_s=grid_s, confidence=self.question.confidence, trace=tuple(self.trace),
+            noise_floor=self.question.noise_floor,
         )  # fmt: skip
 
 

@@ -41,11 +41,13 @@ def dry_run_lines(
     if budget is not None:
         lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
     if settings.search == "adaptive":
-        question = question_of(settings, budget).words()
+        question = question_of(settings, budget)
         lines.append(
-            f"adaptive search for {question}: at most the grid's {len(runs)} runs, plus the largest-batch rows of "
-            "the contenders where the batch is an axis (docs/search.md)"
+            f"adaptive search for {question.words()}: at most the grid's {len(runs)} runs, plus the largest-batch "
+            "rows of the contenders where the batch is an axis (docs/search.md)"
         )
+        if (floor := question.noise_floor) is not None:
+            lines.append(f"noise floor {floor.sd:.1%} of one run: {floor.source}")
     if settings.find_max_batch:
         lines.append(
             f"after each trial: search the largest batch that fits (up to {settings.max_batch_limit}, warm-up + "

@@ -15,12 +15,14 @@ In order (``docs/search.md`` explains each choice):
 4. **Prune**: a trial slower than the leader beyond the noise: the ratio of geometric means over runs with the
    sweep's pooled run-to-run noise (:mod:`hfscale.results.stats`, the verdicts' own statistics), its Dunnett
    many-to-one interval (every contender against the leader) wholly below 1 and beyond the 2% noise threshold.
-   A decision on runs that never reached a steady state (MSER's truncation late in the run) says so.
+   A decision on runs that never reached a steady state (MSER's truncation late in the run) says so. With a noise
+   floor (``--noise-floor``: a drifting machine), no trial's mean is taken as known better than one run of it.
 5. **Repeats for the contenders**: each round runs the leader and its strongest challenger once more (the leader
    against the runner-up: the LUCB rule of Kalyanakrishnan et al. 2012, with the point estimate choosing the
    challenger), up to ``measure.repeats`` runs each, until every other contender is pruned or equal to the leader
    within the noise threshold (*decided*), the contenders have had their runs (*runs spent*: they tie within the
-   noise), or ``--max-time`` / ``--max-runs`` runs out.
+   noise), or ``--max-time`` / ``--max-runs`` runs out. With a noise floor a trial runs again only while another
+   run can narrow its mean (:func:`_may_run`).
 
 The least-memory question ("least memory at a throughput of at least X") walks the trials by measured memory
 instead: a trial whose speed interval lies below X is out (``too_slow``), the first whose interval lies at or above
@@ -30,6 +32,7 @@ it is the answer, and runs go to the least-memory trial still undecided.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,14 +42,16 @@ from hfscale.records.search import SearchDecision, StopReason
 from hfscale.results.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_NOISE_THRESHOLD,
+    MIN_RUNS,
     Interval,
+    NoiseFloor,
     RunNoise,
-    dunnett_critical,
+    floored_level,
+    many_to_one,
     pooled_noise,
     shared_noise_p,
     shares_noise,
     sidak_critical,
-    welch_ratio,
     within_threshold,
 )
 
@@ -71,6 +76,9 @@ class Question:
     this."""
     confidence: float = DEFAULT_CONFIDENCE
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+    noise_floor: NoiseFloor | None = None
+    """``--noise-floor``: no trial's mean is taken as known better than one run of it. The search's repeats run
+    minutes apart and, where the machine drifts, see only those minutes' noise."""
 
     def words(self) -> str:
         """The question in words, for the report and ``search.json``."""
@@ -264,16 +272,41 @@ def _fastest(look: _Look) -> Next:
             else f"{leader.name} is the only trial left"
         )
         return Next(stop="decided", stop_reason=why, answer=leader.name, contenders=equal)
-    challenger = next((s for s in undecided if s.runs < s.cap), None)
-    run = [s.name for s in (leader, challenger) if s is not None and s.runs < s.cap]
+    challenger = next((s for s in undecided if _may_run(look, s)), None)
+    run = [s.name for s in (leader, challenger) if s is not None and _may_run(look, s)]
     if not run:
         names = ", ".join(s.name for s in undecided)
-        why = (
-            f"{leader.name} and {names} cannot be told apart within the noise after {leader.cap} runs each "
-            "(measure.repeats): they tie"
-        )
+        why = f"{leader.name} and {names} cannot be told apart within the noise " + _spent_words(look, leader)
         return Next(stop="runs_spent", stop_reason=why, answer=leader.name, contenders=tuple(s.name for s in undecided))
     return Next(run=tuple(run), answer=leader.name, contenders=tuple(s.name for s in undecided))
+
+
+def _may_run(look: _Look, state: TrialState) -> bool:
+    """Whether another run of ``state`` may narrow its mean: it has runs left, and with a noise floor it has fewer
+    than the two runs a verdict needs (a single run could be a disturbed one; the report tests every trial on two)
+    or its runs' noise over their count is still above the floor's (below it, the floor is the mean's uncertainty
+    however many runs follow)."""
+    if state.runs >= state.cap:
+        return False
+    floor = look.question.noise_floor
+    if floor is None or len(state.rates) < MIN_RUNS:
+        return True
+    if look.shared:
+        noise = look.noise
+        return noise.df >= 1 and noise.sd**2 / len(state.rates) > floor.sd**2
+    own = pooled_noise({state.name: state.rates})
+    return own.df < 1 or own.sd**2 / len(state.rates) > floor.sd**2
+
+
+def _spent_words(look: _Look, leader: TrialState) -> str:
+    """Why no further run can decide, as the end of a sentence."""
+    floor = look.question.noise_floor
+    if floor is None:
+        return f"after {leader.cap} runs each (measure.repeats): they tie"
+    return (
+        f"after their runs: each mean is known as well as the noise floor allows ({floor.sd:.1%} of one run, "
+        f"{floor.source}) or has had measure.repeats ({leader.cap}) runs: they tie"
+    )
 
 
 def _settled(look: _Look, leader: TrialState, others: Sequence[TrialState], state: TrialState) -> str | None:
@@ -308,21 +341,23 @@ def _against_leader(
 ) -> tuple[Interval, str] | None:
     """``state`` over ``leader`` with its interval and the noise it rests on, in words; None while the noise is not
     known: no trial ran twice, or the trials do not share one noise and a side has a single run (its own noise is
-    unknown until it runs again)."""
-    noise, confidence = look.noise, look.question.confidence
-    if look.shared:
-        if noise.df < 1:
-            return None
-        critical = dunnett_critical(len(leader.rates), tuple(len(s.rates) for s in others), noise.df, confidence)
-        words = f"run-to-run sd of ln(samples/s) {noise.sd:.1%}, pooled on {noise.df} df"
-        return noise.ratio(state.rates, leader.rates, critical, confidence), words
-    if min(len(state.rates), len(leader.rates)) < 2:
+    unknown until it runs again), and no noise floor was given."""
+    noise, floor = look.noise, look.question.noise_floor
+    ratio = many_to_one(
+        state.rates, leader.rates, others=tuple(len(s.rates) for s in others), noise=noise, shared=look.shared,
+        confidence=look.question.confidence, floor=floor,
+    )  # fmt: skip
+    if ratio is None:
         return None
-    ratio = welch_ratio(state.rates, leader.rates, lambda df: sidak_critical(len(others), df, confidence), confidence)
-    words = (
-        f"each side's own run-to-run noise (Welch, Šidák over {len(others)}): the trials do not share one "
-        f"(Bartlett's p = {look.shared_p:.1g})"
-    )
+    if look.shared:
+        words = noise.words() if noise.df >= 1 else "no trial has run twice"
+    else:
+        words = (
+            f"each side's own run-to-run noise (Welch, Šidák over {len(others)}): the trials do not share one "
+            f"(Bartlett's p = {look.shared_p:.1g})"
+        )
+    if floor is not None:
+        words += f"; neither mean taken as known better than one run of the noise floor, {floor.source}"
     return ratio, words
 
 
@@ -336,7 +371,7 @@ def _frugal(look: _Look, floor: float) -> Next:
         if not state.rates:
             continue
         own = noise if look.shared else pooled_noise({state.name: state.rates})
-        level = _level(own, state, len(by_memory), question.confidence)
+        level = _level(own, state, len(by_memory), question)
         if level is not None and level.high < floor:
             look.decide(
                 state,
@@ -361,7 +396,7 @@ def _frugal(look: _Look, floor: float) -> Next:
                 f"{floor:g} samples/s within the noise after their runs"
             )
             return Next(stop="runs_spent", stop_reason=why, answer=state.name, contenders=contenders)
-        if state.runs < state.cap:
+        if _may_run(look, state):
             return Next(run=(state.name,), contenders=(state.name,))
         undecided.append(state)
     if undecided:
@@ -371,16 +406,20 @@ def _frugal(look: _Look, floor: float) -> Next:
     return Next(stop="nothing_fits", stop_reason=f"no trial that fits reaches {floor:g} samples/s")
 
 
-def _level(noise: RunNoise, state: TrialState, trials: int, confidence: float) -> Interval | None:
+def _level(noise: RunNoise, state: TrialState, trials: int, question: Question) -> Interval | None:
     """``state``'s geometric mean samples/s over runs with its Šidák interval over ``trials`` from ``noise`` (the
-    pool, or the trial's own runs where the trials do not share one noise); None without degrees of freedom."""
+    pool, or the trial's own runs where the trials do not share one noise), no narrower than one run of the noise
+    floor; None without degrees of freedom."""
+    critical = functools.partial(sidak_critical, trials, confidence=question.confidence)
+    floor = question.noise_floor
+    if floor is not None:
+        return floored_level(state.rates, noise=noise, floor=floor, critical=critical, confidence=question.confidence)
     if noise.df < 1:
         return None
-    critical = sidak_critical(trials, noise.df, confidence)
-    half = critical * noise.sd / math.sqrt(len(state.rates))
+    half = critical(noise.df) * noise.sd / math.sqrt(len(state.rates))
     mean = state.log_mean
     return Interval(
-        value=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), confidence=confidence,
+        value=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), confidence=question.confidence,
         samples=len(state.rates), repeats=len(state.rates),
     )  # fmt: skip
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hfscale.results.simulate import NoiseModel, step_times
+from hfscale.results.simulate import NoiseModel, drift, interleaved_ticks, step_times
 from hfscale.sweep.adaptive import MIN_SHORT_STEPS, SHORT_FRACTION
 from hfscale.sweep.search import (
     DEFAULT_SKIP_MARGIN,
@@ -60,8 +60,11 @@ def simulate_search(
     rng: np.random.Generator,
     limits: Limits | None = None,
 ) -> SimSearch:
-    """Run the search against the stand-in until it stops."""
+    """Run the search against the stand-in until it stops; its runs drift (``noise.drift_sd``) on the sweep's clock,
+    one tick a run launched."""
     by_name = {t.name: t for t in trials}
+    index = {t.name: k for k, t in enumerate(trials)}
+    paths = drift(noise, len(trials), repeats * len(trials), rng)
     out: dict[str, str] = {}
     for t in trials:
         if skip_by_estimate(t.predicted_gib, question.budget_gib, DEFAULT_SKIP_MARGIN) is not None:
@@ -83,7 +86,8 @@ def simulate_search(
             )  # fmt: skip
         for name in step.run:
             model = noise if rates[name] else first_run_noise(noise)
-            rates[name].append(float(1.0 / step_times(model, by_name[name].rate, 1, rng).mean()))
+            slow = paths[index[name], runs : runs + 1]
+            rates[name].append(float(1.0 / step_times(model, by_name[name].rate, 1, rng, slow).mean()))
             runs += 1
 
 
@@ -108,7 +112,13 @@ def grid_answer(
     fitting = [t for t in trials if budget_gib is None or t.memory_gib <= budget_gib]
     if not fitting:
         return None
-    means = {t.name: float(np.log(1.0 / step_times(noise, t.rate, repeats, rng).mean(axis=1)).mean()) for t in fitting}
+    ticks = interleaved_ticks(len(trials), repeats)
+    paths = drift(noise, len(trials), ticks.size, rng)
+    means = {
+        t.name: float(np.log(1.0 / step_times(noise, t.rate, repeats, rng, paths[k, ticks[k]]).mean(axis=1)).mean())
+        for k, t in enumerate(trials)
+        if t in fitting
+    }
     return max(means, key=lambda name: means[name])
 
 

@@ -49,6 +49,22 @@ def test_two_trials_from_the_same_distribution_tie_and_the_recommendation_says_s
     assert set(summary.recommendation.fastest_ties) == {"base", "b"}
 
 
+def test_memory_breaks_a_speed_tie_only_where_it_differs() -> None:
+    """Three trials tie on speed (runs 40% apart); two need the same memory within 2% (0.549 and 0.550 GiB, as
+    checkpointing and fp32 on cpu_small's CPU runs), the third more. The tie goes to the faster point estimate of
+    the two, never to the slower one by a sub-MiB difference."""
+    rows = [
+        *runs_of("fast", 0.10, seed=1, peak=0.700, drift=0.4, is_baseline=True),
+        *runs_of("plain", 0.12, seed=2, peak=0.550, drift=0.4),
+        *runs_of("slow", 0.16, seed=3, peak=0.549, drift=0.4),
+    ]
+    summary = report.summarize(rows)
+    lines = [as_plain(line) for line in summary.recommendation.lines]
+    assert set(summary.recommendation.fastest_ties) | {summary.recommendation.fastest} == {"fast", "plain", "slow"}
+    assert summary.recommendation.fastest == "plain"
+    assert "slow needs as little within 2%, and of those plain's point estimate is the highest" in lines[1]
+
+
 def test_a_real_speed_up_is_faster_with_an_interval_that_excludes_one() -> None:
     rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("fast", 0.08, seed=2)]
     row = report.summarize(rows).trials.loc["fast"]

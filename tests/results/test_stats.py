@@ -151,3 +151,36 @@ def test_welch_ratio_is_welchs_t_interval() -> None:
     assert (math.log(ratio.low), math.log(ratio.high)) == pytest.approx(
         (la.mean() - lb.mean() - half, la.mean() - lb.mean() + half)
     )
+
+
+def test_with_a_noise_floor_no_mean_is_known_better_than_one_run_of_it() -> None:
+    """Five runs a side 1% apart, 10% between the sides: the pool calls it; with a 15% floor (28 df) each side's
+    variance is the floor's (one run), so the interval is t(28) * 0.15 * sqrt(2) wide on the log scale and a tie."""
+    runs = {"a": [110.0, 111.0, 109.5, 110.5, 110.2], "b": [100.0, 101.0, 99.5, 100.5, 100.2]}
+    assert stats.sweep_noise(runs).against("a", "b").verdict == "higher"
+    floor = stats.NoiseFloor(sd=0.15, df=28, source="a grid")
+    said = stats.sweep_noise(runs, floor=floor).against("a", "b")
+    assert said.verdict == "tie" and said.ratio is not None
+    half = math.log(said.ratio.high / said.ratio.value)
+    assert half == pytest.approx(sps.t.ppf(0.975, 28) * 0.15 * math.sqrt(2), rel=1e-6)
+    level = stats.sweep_noise(runs, floor=floor).level("a")
+    assert level is not None and math.log(level.high / level.value) == pytest.approx(sps.t.ppf(0.975, 28) * 0.15)
+
+
+def test_a_floor_below_the_runs_own_noise_leaves_their_interval_but_for_the_family() -> None:
+    """Where the runs vary more than the floor the floor does nothing to the standard error: the interval is the
+    pool's, with Šidák's critical value over the family (one comparison here: Student's t on the pool's df)."""
+    runs = {"a": [110.0, 130.0, 95.0], "b": [100.0, 120.0, 90.0]}
+    plain = stats.sweep_noise(runs).against("a", "b").ratio
+    floored = stats.sweep_noise(runs, floor=stats.NoiseFloor(sd=0.01)).against("a", "b").ratio
+    assert plain is not None and floored is not None
+    assert (floored.low, floored.high) == pytest.approx((plain.low, plain.high), rel=1e-9)
+
+
+def test_a_floor_given_as_a_figure_is_taken_as_known() -> None:
+    """No degrees of freedom of its own: where it replaces both sides' noise, the critical value is the normal's."""
+    ratio = stats.floored_ratio(
+        [100.0], [90.0], noise=None, floor=stats.NoiseFloor(sd=0.1), critical=lambda df: sps.t.ppf(0.975, df)
+    )
+    assert ratio is not None
+    assert math.log(ratio.high / ratio.value) == pytest.approx(sps.norm.ppf(0.975) * 0.1 * math.sqrt(2), rel=1e-6)

@@ -148,3 +148,37 @@ def test_the_command_line_reads_the_search_options(tmp_path):
         build_parser().parse_args(["r.yaml", "--search", "smart"])
     recorded = json.loads(json.dumps(settings.to_dict()))
     assert SweepSettings.from_dict(recorded) == settings
+
+
+def test_a_noise_floor_from_an_earlier_grid_is_recorded_and_stated(tmp_path, monkeypatch):
+    """The recipe names a grid's run folder (relative to the recipe): its pooled run noise is the floor, search.json
+    keeps it with its source, every decision names it, and the report's verdicts and search section use it."""
+    from hfscale.report.analysis import summarize_run
+    from hfscale.report.trace import search_paragraphs
+
+    scripted_launches(monkeypatch, speed)
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "grid", report=False, progress=lambda _: None)
+    floored = {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "grid"}}
+    run_sweep(write_recipe(tmp_path, floored), run_dir=tmp_path / "run", report=False, progress=lambda _: None)
+    floor = RunFolder(tmp_path / "run").search().noise_floor
+    assert floor is not None and floor.df == 8 and floor.sd == pytest.approx(0.0115, abs=0.001)  # 4 trials x 3 runs
+    assert str((tmp_path / "grid").resolve()) in floor.source
+    assert all("noise floor" in d.reason for d in RunFolder(tmp_path / "run").search().trace)
+    summary = summarize_run(tmp_path / "run")
+    assert summary.speed.floor == floor
+    assert any("Noise floor: 1.2% of one run" in str(p) for p in search_paragraphs(summary.search))
+
+
+def test_a_noise_floor_is_refused_by_a_grid_and_checked_before_anything_runs(tmp_path, monkeypatch):
+    scripted_launches(monkeypatch, speed)
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    with pytest.raises(SweepError, match=r"--noise-floor .*only apply to an adaptive search"):
+        run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "g", settings=SweepSettings(noise_floor="0.1"))
+    with pytest.raises(RecipeError, match=r"sweep\.noise_floor: expected a run-to-run noise \(0.15 or 15%\) or"):
+        load_recipe(write_recipe(tmp_path, {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "nowhere"}}))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "results.jsonl").write_text("")
+    with pytest.raises(SweepError, match=r"--noise-floor .*empty: no trial there has two ok runs"):
+        sweep(tmp_path, "run", noise_floor=str(tmp_path / "empty"))
+    assert not (tmp_path / "run").exists()
