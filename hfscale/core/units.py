@@ -61,9 +61,10 @@ def parse_share(text: str) -> float | None:
     return float(match.group(1)) / (100 if match.group(2) else 1)
 
 
-def noise_floor_spec(value: object, base: Path) -> str:
+def noise_floor_spec(value: object, base: Path, *, must_exist: bool = True) -> str:
     """A noise floor as the settings record it: a figure's fraction (``"0.15"``), or a run folder's absolute path
-    (a relative one is read from ``base``).
+    (a relative one is read from ``base``; ``must_exist=False`` leaves checking the folder to the sweep, as a
+    recipe's copy inside its own run folder, read again on ``--resume``, no longer sits beside the grid it names).
 
     Raises:
         ValueError: for a figure outside (0, 1) or a path that is not a run folder.
@@ -74,7 +75,7 @@ def noise_floor_spec(value: object, base: Path) -> str:
             raise ValueError(f"expected a run-to-run noise between 0 and 1 (0.15 or 15%), got {value!r}")
         return repr(share)
     folder = (base / str(value)).resolve()
-    if not (folder / "results.jsonl").is_file():
+    if must_exist and not (folder / "results.jsonl").is_file():
         raise ValueError(
             f"expected a run-to-run noise (0.15 or 15%) or the run folder of an earlier sweep on this machine (with "
             f"its results.jsonl), got {value!r}"

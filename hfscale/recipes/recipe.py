@@ -298,11 +298,12 @@ def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSp
 
 def _with_noise_floor(sweep: SweepOptions, source: str) -> SweepOptions:
     """``sweep.noise_floor`` as the settings record it: a figure's fraction, or a run folder's absolute path (a
-    relative one is read from the recipe's folder)."""
+    relative one is read from the recipe's folder; the sweep checks the folder before anything runs)."""
     if sweep.noise_floor is None:
         return sweep
     try:
-        return dataclasses.replace(sweep, noise_floor=noise_floor_spec(sweep.noise_floor, recipe_folder(source)))
+        floor = noise_floor_spec(sweep.noise_floor, recipe_folder(source), must_exist=False)
+        return dataclasses.replace(sweep, noise_floor=floor)
     except ValueError as exc:
         raise Invalid("sweep.noise_floor", str(exc)) from exc
 

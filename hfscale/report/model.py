@@ -294,6 +294,13 @@ def environment_sections(environment: Mapping[str, Any]) -> tuple[Section, Secti
     return short_section, full
 
 
+def _joint(summary: Summary, family: str) -> str:
+    """The noise sentence's end: what keeps the baseline's verdicts at 95% jointly (Šidák's under a noise floor)."""
+    if not summary.baseline:
+        return "."
+    return f"; verdicts against the baseline hold jointly at 95% ({'Šidák' if summary.speed.floor else family})."
+
+
 def noise_sentence(summary: Summary) -> str:
     """What the speed figures' uncertainty rests on, in one or two sentences."""
     frame, noise = summary.trials, summary.speed.noise
@@ -311,18 +318,17 @@ def noise_sentence(summary: Summary) -> str:
             f"Intervals come from runs. The trials' run-to-run noise differs beyond chance (Bartlett's test, p = "
             f"{summary.speed.shared_p:.1g}; {_noise_range(summary)}), so each trial's interval rests on its own runs "
             "(a trial of one run has none) and each comparison on its two trials' own noise (Welch)"
-            + ("; verdicts against the baseline hold jointly at 95% (Dunnett's T3)." if summary.baseline else ".")
+            + _joint(summary, "Dunnett's T3")
         )
     else:
         text = (
             f"Intervals come from runs: the run-to-run noise pooled over {len(noise.trials)} trials "
-            f"({noise.df} degrees of freedom) is {noise.sd:.1%} of a run's samples/s"
-            + ("; verdicts against the baseline hold jointly at 95% (Dunnett)." if summary.baseline else ".")
+            f"({noise.df} degrees of freedom) is {noise.sd:.1%} of a run's samples/s" + _joint(summary, "Dunnett")
         )
     if (floor := summary.speed.floor) is not None and len(ok):
         text += (
-            f" The adaptive search's noise floor holds here too: no trial's mean is taken as known better than one "
-            f"run of {floor.sd:.1%} ({floor.source}), and each family of intervals is Šidák-adjusted."
+            f" The search's noise floor holds here too: no trial's mean is taken as known better than one run of "
+            f"{floor.sd:.1%} ({floor.source}); the run noise column shows the runs' own."
         )
     unstable = list(ok.index[ok["unstable"].fillna(False).astype(bool)]) if len(ok) else []
     if unstable:

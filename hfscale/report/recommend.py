@@ -141,11 +141,12 @@ def _fastest_lines(
     )
     by_memory = sorted(tied, key=lambda r: r["fit_gib"])
     # Memory breaks the tie only where it differs: of the trials within 2% of the least memory, the faster point
-    # estimate (a sub-MiB difference in resident memory must not pick a trial 35% slower by its figure).
-    least = [r for r in by_memory if memory_tie(by_memory[0], r)]
+    # estimate (a sub-MiB difference in resident memory must not pick a trial 35% slower by its figure). A trial
+    # without a memory figure ties with nothing; with no figure at all the leader stays.
+    least = [r for r in by_memory if memory_tie(by_memory[0], r)] or [leader]
     best = max(least, key=lambda r: r["samples_per_s"])
     by_memory = [best, *(r for r in by_memory if r["trial"] != best["trial"])]
-    same_memory = all(memory_tie(best, r) for r in by_memory[1:])
+    same_memory = len(least) == len(tied)
     line = [rich(head + " " + marks + " tie on speed (samples/s: {speeds}; {why}).", **values, speeds=speeds, why=why)]
     if same_memory:
         line.append(

@@ -14,6 +14,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hfscale.core.units import GIB, parse_share
 from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
@@ -25,7 +26,7 @@ from hfscale.records.row import TrialResult
 from hfscale.records.search import NoiseFloor, SearchDecision, SearchSummary
 from hfscale.report.noise import run_rates
 from hfscale.report.trials import fit_memory
-from hfscale.results.run_folder import read_results
+from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, read_results
 from hfscale.results.stats import pooled_noise
 from hfscale.sweep.batch_axis import mark_max_batch, max_batch_trial
 from hfscale.sweep.search import (
@@ -120,8 +121,19 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
     share = parse_share(spec)
     if share is not None:
         return NoiseFloor(sd=share, source=f"given as {share:.1%}")
+    folder = Path(spec)
+    if not (folder / RESULTS_FILE).is_file():
+        raise SweepError(
+            f"--noise-floor (or sweep.noise_floor) {spec}: not a run folder (no {RESULTS_FILE}); give the run folder "
+            "of an earlier grid sweep on this machine, or a figure (15%)"
+        )
+    if (folder / SEARCH_FILE).is_file():
+        raise SweepError(
+            f"--noise-floor {spec}: an adaptive search's run folder: its repeats ran close together, which is the "
+            "noise a floor must not come from; give a grid sweep's run folder"
+        )
     try:
-        rows = read_results(spec)
+        rows = read_results(folder)
     except (OSError, ValueError) as exc:
         raise SweepError(f"--noise-floor {spec}: cannot read its rows: {exc}") from exc
     by_trial: dict[str, list[TrialResult]] = {}

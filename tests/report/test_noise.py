@@ -65,6 +65,23 @@ def test_memory_breaks_a_speed_tie_only_where_it_differs() -> None:
     assert "slow needs as little within 2%, and of those plain's point estimate is the highest" in lines[1]
 
 
+def test_memory_within_2_percent_does_not_chain_and_a_missing_figure_breaks_nothing() -> None:
+    """0.549, 0.560 and 0.571 GiB: each within 2% of the next, the ends 3.9% apart, so they do not need the same
+    memory and the least (its point estimate the highest of those within 2% of it) is recommended. A tied trial
+    without a memory figure takes no part in the tie-break and does not stop it."""
+    rows = [
+        *runs_of("a", 0.12, seed=1, peak=0.549, drift=0.4, is_baseline=True),
+        *runs_of("b", 0.11, seed=2, peak=0.560, drift=0.4),
+        *runs_of("c", 0.10, seed=3, peak=0.571, drift=0.4),
+    ]
+    summary = report.summarize(rows)
+    lines = [as_plain(line) for line in summary.recommendation.lines]
+    assert summary.recommendation.fastest == "b" and "need the same memory too" not in " ".join(lines)
+    unknown = [dataclasses.replace(r, measured=dataclasses.replace(r.measured, memory=None)) for r in rows[4:]]
+    summary = report.summarize([*rows[:4], *unknown])
+    assert summary.recommendation.fastest in ("a", "b")
+
+
 def test_a_real_speed_up_is_faster_with_an_interval_that_excludes_one() -> None:
     rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("fast", 0.08, seed=2)]
     row = report.summarize(rows).trials.loc["fast"]

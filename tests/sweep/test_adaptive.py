@@ -164,7 +164,8 @@ def test_a_noise_floor_from_an_earlier_grid_is_recorded_and_stated(tmp_path, mon
     floor = RunFolder(tmp_path / "run").search().noise_floor
     assert floor is not None and floor.df == 8 and floor.sd == pytest.approx(0.0115, abs=0.001)  # 4 trials x 3 runs
     assert str((tmp_path / "grid").resolve()) in floor.source
-    assert all("noise floor" in d.reason for d in RunFolder(tmp_path / "run").search().trace)
+    trace = RunFolder(tmp_path / "run").search().trace
+    assert trace and all("noise floor" in d.reason for d in trace)
     summary = summarize_run(tmp_path / "run")
     assert summary.speed.floor == floor
     assert any("Noise floor: 1.2% of one run" in str(p) for p in search_paragraphs(summary.search))
@@ -175,10 +176,30 @@ def test_a_noise_floor_is_refused_by_a_grid_and_checked_before_anything_runs(tmp
     grid = {**RECIPE, "sweep": {"search": "grid"}}
     with pytest.raises(SweepError, match=r"--noise-floor .*only apply to an adaptive search"):
         run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "g", settings=SweepSettings(noise_floor="0.1"))
-    with pytest.raises(RecipeError, match=r"sweep\.noise_floor: expected a run-to-run noise \(0.15 or 15%\) or"):
-        load_recipe(write_recipe(tmp_path, {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "nowhere"}}))
+    with pytest.raises(RecipeError, match=r"sweep\.noise_floor: expected a run-to-run noise between 0 and 1"):
+        load_recipe(write_recipe(tmp_path, {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": 1.5}}))
+    nowhere = {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "nowhere"}}
+    with pytest.raises(SweepError, match=r"sweep\.noise_floor\) .*nowhere: not a run folder"):
+        run_sweep(write_recipe(tmp_path, nowhere), run_dir=tmp_path / "n", report=False, progress=lambda _: None)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "results.jsonl").write_text("")
     with pytest.raises(SweepError, match=r"--noise-floor .*empty: no trial there has two ok runs"):
         sweep(tmp_path, "run", noise_floor=str(tmp_path / "empty"))
-    assert not (tmp_path / "run").exists()
+    sweep(tmp_path, "searched")
+    with pytest.raises(SweepError, match=r"an adaptive search's run folder"):
+        sweep(tmp_path, "run", noise_floor=str(tmp_path / "searched"))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "n").exists()
+
+
+def test_a_search_with_a_recipe_floor_relative_to_the_recipe_resumes(tmp_path, monkeypatch):
+    """The recipe's copy in the run folder no longer sits beside the grid it names: the resumed search keeps the
+    floor the sweep recorded (its absolute path) and decides as the uninterrupted one did."""
+    scripted_launches(monkeypatch, speed)
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "grid", report=False, progress=lambda _: None)
+    floored = {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "grid"}}
+    recipe = write_recipe(tmp_path, floored)
+    run_sweep(recipe, run_dir=tmp_path / "run", settings=SweepSettings(max_runs=4), report=False, progress=print)
+    run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=100), report=False, progress=print)
+    floor = RunFolder(tmp_path / "run").search().noise_floor
+    assert floor is not None and str((tmp_path / "grid").resolve()) in floor.source
