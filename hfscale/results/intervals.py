@@ -175,8 +175,10 @@ def floored_ratio(
 ) -> Interval | None:
     """``top`` over ``bottom`` where neither mean may be known better than one run of ``floor``: each side's variance
     is the larger of its runs' (the pooled ``noise``, or its own runs where ``noise`` is None) and the floor's, at
-    the Welch-Satterthwaite degrees of freedom; None when a side has neither."""
+    the Welch-Satterthwaite degrees of freedom; None when a side has no runs, or neither."""
     a, b = run_logs(top), run_logs(bottom)
+    if not (a.size and b.size):
+        return None
     sides = (_mean_variance(a, noise, floor, "top"), _mean_variance(b, noise, floor, "bottom"))
     if sides[0] is None or sides[1] is None:
         return None

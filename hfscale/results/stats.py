@@ -89,6 +89,30 @@ def shares_noise(p: float | None) -> bool:
     return p is None or p >= HOMOGENEITY_ALPHA
 
 
+def ratio_of(
+    top: Sequence[float],
+    bottom: Sequence[float],
+    *,
+    noise: RunNoise,
+    shared: bool,
+    critical: Callable[[float], float],
+    confidence: float = DEFAULT_CONFIDENCE,
+    floor: NoiseFloor | None = None,
+) -> Interval | None:
+    """``top`` over ``bottom`` with an interval ``critical(df)`` standard errors wide (the caller's family): neither
+    mean better known than one run of ``floor`` where one is given (:func:`floored_ratio`), else the pooled ``noise``
+    where the trials share one, else each side's own (Welch). The one place that choice is made; None where no
+    interval can be formed (no degrees of freedom, or a side whose own noise is unknown)."""
+    if floor is not None:
+        pool = noise if shared else None
+        return floored_ratio(top, bottom, noise=pool, floor=floor, critical=critical, confidence=confidence)
+    if shared:
+        return noise.ratio(top, bottom, critical(noise.df), confidence) if noise.df >= 1 else None
+    if min(run_logs(top).size, run_logs(bottom).size) < 2:
+        return None
+    return welch_ratio(top, bottom, critical, confidence)
+
+
 def many_to_one(
     top: Sequence[float],
     control: Sequence[float],
@@ -100,23 +124,19 @@ def many_to_one(
     floor: NoiseFloor | None = None,
 ) -> Interval | None:
     """``top`` over ``control`` within a many-to-one family (``others``: the run counts of every trial compared with
-    the control): the pooled ``noise`` and Dunnett's critical value where the trials share one noise, else each
-    side's own (Welch's interval with Šidák's adjustment over the family: Dunnett's T3). With a ``floor``, neither
-    mean is taken as better known than one run of it (:func:`floored_ratio`, Šidák over the family). The report's
-    verdicts against the baseline and the search's against its leader both ask this; None where no interval can be
-    formed (no degrees of freedom, or a side whose own noise is unknown)."""
-    sidak = functools.partial(sidak_critical, len(others), confidence=confidence)
-    if floor is not None:
-        pool = noise if shared else None
-        return floored_ratio(top, control, noise=pool, floor=floor, critical=sidak, confidence=confidence)
-    if shared:
-        if noise.df < 1:
-            return None
-        critical = dunnett_critical(run_logs(control).size, others, noise.df, confidence)
-        return noise.ratio(top, control, critical, confidence)
-    if min(run_logs(top).size, run_logs(control).size) < 2:
-        return None
-    return welch_ratio(top, control, sidak, confidence)
+    the control) by :func:`ratio_of`: Dunnett's critical value on the pool, else Šidák's over the family (Dunnett's
+    T3 on each side's own noise; on a noise floor, whose sides' variances differ). The report's verdicts against the
+    baseline and the search's against its leader both ask this."""
+    control_runs = run_logs(control).size
+
+    def critical(df: float) -> float:
+        if shared and floor is None:
+            return dunnett_critical(control_runs, others, int(df), confidence)
+        return sidak_critical(len(others), df, confidence)
+
+    return ratio_of(
+        top, control, noise=noise, shared=shared, critical=critical, confidence=confidence, floor=floor
+    )  # fmt: skip
 
 
 def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) -> dict[str, str]:
@@ -262,21 +282,17 @@ class SweepNoise:
 
     def compare(self, top: str, bottom: str, critical: Callable[[float], float]) -> Comparison:
         """``top`` against ``bottom`` with an interval ``critical(df)`` standard errors wide (the caller's family,
-        at the degrees of freedom of the noise used: the pool's, or Welch's where the trials do not share it)."""
+        at the degrees of freedom of the noise used: the pool's, Welch's where the trials do not share it, or the
+        floor's), by :func:`ratio_of`."""
         if (untested := self._untested(top, bottom)) is not None:
             return untested
-        if self.floor is not None:
-            pool = self.noise if self.shared else None
-            ratio = floored_ratio(
-                self.runs[top], self.runs[bottom], noise=pool, floor=self.floor, critical=critical,
-                confidence=self.confidence,
-            )  # fmt: skip
-            if ratio is None:  # not reached: both sides are testable
-                return Comparison(verdict="untested", why="no run-to-run noise to test against")
-        elif self.shared:
-            ratio = self.noise.ratio(self.runs[top], self.runs[bottom], critical(self.noise.df), self.confidence)
-        else:
-            ratio = welch_ratio(self.runs[top], self.runs[bottom], critical, self.confidence)
+        runs = self.runs
+        ratio = ratio_of(
+            runs[top], runs[bottom], noise=self.noise, shared=self.shared, critical=critical,
+            confidence=self.confidence, floor=self.floor,
+        )  # fmt: skip
+        if ratio is None:  # not reached: both sides are testable (two runs each, a pool with degrees of freedom)
+            return Comparison(verdict="untested", why="no run-to-run noise to test against")
         return Comparison(verdict=verdict(ratio, noise_threshold=self.noise_threshold), ratio=ratio)
 
     def level(self, name: str) -> Interval | None:
@@ -368,6 +384,7 @@ __all__ = [
     "many_to_one",
     "outliers",
     "pooled_noise",
+    "ratio_of",
     "run_logs",
     "shared_noise_p",
     "shares_noise",

@@ -184,3 +184,14 @@ def test_a_floor_given_as_a_figure_is_taken_as_known() -> None:
     )
     assert ratio is not None
     assert math.log(ratio.high / ratio.value) == pytest.approx(sps.norm.ppf(0.975) * 0.1 * math.sqrt(2), rel=1e-6)
+
+
+def test_all_pairs_rest_on_the_floor_too_and_an_empty_side_has_no_interval() -> None:
+    """The report's ties (all pairs) go through the same choice as the baseline's verdicts: with the floor, the
+    close pair that the pool calls apart is a tie. A side without runs gives no interval rather than a NaN one."""
+    runs = {"a": [110.0, 111.0, 109.5], "b": [100.0, 101.0, 99.5], "c": [50.0, 50.5, 49.8]}
+    assert stats.sweep_noise(runs).pair("a", "b").verdict == "higher"
+    floored = stats.sweep_noise(runs, floor=stats.NoiseFloor(sd=0.15, df=28))
+    assert floored.pair("a", "b").verdict == "tie" and floored.pair("a", "c").verdict == "higher"
+    floor = stats.NoiseFloor(sd=0.1)
+    assert stats.floored_ratio([], [1.0], noise=None, floor=floor, critical=lambda df: 2.0) is None
