@@ -67,9 +67,15 @@ def noise_floor_spec(value: object, base: Path, *, must_exist: bool = True) -> s
     recipe's copy inside its own run folder, read again on ``--resume``, no longer sits beside the grid it names).
 
     Raises:
-        ValueError: for a figure outside (0, 1) or a path that is not a run folder.
+        ValueError: for a figure outside (0, 1), a path that is not a run folder, or text that reads as both (a run
+            folder named ``0.2``: ``./0.2`` is the folder, ``20%`` the figure).
     """
     share = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else parse_share(str(value))
+    if share is not None and isinstance(value, str) and (base / value / "results.jsonl").is_file():
+        raise ValueError(
+            f"{value!r} reads as a figure and names a run folder in {base}: write ./{value.strip()} for the folder, "
+            f"or the figure with a % sign ({share:.0%})"
+        )
     if share is not None:
         if not 0 < share < 1:
             raise ValueError(f"expected a run-to-run noise between 0 and 1 (0.15 or 15%), got {value!r}")

@@ -292,6 +292,19 @@ def plot_loss(summary: Summary) -> bytes | None:
     return _png(fig)
 
 
+def ranking_caption(summary: Summary) -> str:
+    """The ranking plot's caption, naming the intervals as the table's verdicts have them."""
+    speed = summary.speed
+    if speed.floor is not None:
+        family = f"Šidák; no mean narrower than one run of the noise floor, {speed.floor.sd:.1%}"
+    else:
+        family = "Dunnett" if speed.shared else "Dunnett's T3: each pair's own noise"
+    return (
+        f"Ok trials, fastest first: the speed-up against the baseline with its 95% interval ({family}; bars that "
+        "overlap 1 are ties), coloured by verdict, beside each trial's peak memory and the budget (dashed)."
+    )
+
+
 def report_figures(summary: Summary) -> list[Figure]:
     """The report's plots that have something to show, in report order."""
     made = [
@@ -299,8 +312,7 @@ def report_figures(summary: Summary) -> list[Figure]:
             RANKING_FIGURE,
             "Speed-up and peak memory",
             plot_ranking,
-            "Ok trials, fastest first: the speed-up against the baseline with its 95% interval (Dunnett; bars that "
-            "overlap 1 are ties), coloured by verdict, beside each trial's peak memory and the budget (dashed).",
+            ranking_caption(summary),
         ),
         (
             "report_pareto.png",
@@ -361,5 +373,6 @@ __all__ = [
     "plot_loss",
     "plot_pareto",
     "plot_ranking",
+    "ranking_caption",
     "report_figures",
 ]

@@ -4,8 +4,8 @@ This module is the one place that knows the layout::
 
     RUN/
       recipe.yaml          the recipe as given
-      environment.json     machine, GPUs, versions, commit, the launch and the sweep's settings; each --resume
-                           adds an entry to its "resumed" list (with the settings that resumed run used)
+      environment.json     machine, GPUs, versions, commit, the launch, the sweep's settings (and noise floor);
+                           each --resume adds an entry to its "resumed" list (with the settings that run used)
       results.jsonl        one TrialResult per line, appended (and fsynced) as each trial ends; a later line of the
                            same (trial, repeat) supersedes an earlier one (the batch search is appended that way)
       search.json          how an adaptive search ended (hfscale.sweep.search); absent for a grid sweep

@@ -21,13 +21,14 @@ from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
 from hfscale.recipes.recipe import adaptive_refusal
 from hfscale.recipes.schema import RecipeTrial, SweepOptions
+from hfscale.records.activity import disturbances
 from hfscale.records.batch import max_batch_base
 from hfscale.records.row import TrialResult
 from hfscale.records.search import NoiseFloor, SearchDecision, SearchSummary
 from hfscale.report.noise import run_rates
 from hfscale.report.trials import fit_memory
 from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, read_results
-from hfscale.results.stats import pooled_noise
+from hfscale.results.stats import outliers, pooled_noise
 from hfscale.sweep.batch_axis import mark_max_batch, max_batch_trial
 from hfscale.sweep.search import (
     Limits,
@@ -91,7 +92,6 @@ def check_adaptive(trials: Sequence[RecipeTrial], settings: SweepSettings, *, nu
         )
     if (refusal := adaptive_refusal(trials)) is not None:
         raise SweepError(f"--search adaptive: {refusal[0]}: {refusal[1]}")
-    noise_floor_of(settings.noise_floor)
     several = [t.name for t in trials if t.spec.strategy.num_machines > 1]
     if several:
         raise SweepError(
@@ -100,21 +100,41 @@ def check_adaptive(trials: Sequence[RecipeTrial], settings: SweepSettings, *, nu
         )
 
 
-def question_of(settings: SweepSettings, budget_bytes: int | None) -> Question:
-    """The question the sweep's settings ask, under the budget the sweep resolved (recipe, command line or GPU)."""
+def question_of(settings: SweepSettings, budget_bytes: int | None, floor: NoiseFloor | None) -> Question:
+    """The question the sweep's settings ask, under the budget the sweep resolved (recipe, command line or GPU) and
+    the noise floor it read (:func:`noise_floor_of`, once per run)."""
     return Question(
         budget_gib=budget_bytes / GIB if budget_bytes is not None else None,
         min_samples_per_s=settings.min_samples_per_s,
-        noise_floor=noise_floor_of(settings.noise_floor),
+        noise_floor=floor,
     )
+
+
+def recorded_floor(environment: Mapping[str, object]) -> NoiseFloor | None:
+    """The noise floor a run recorded in its ``environment.json`` when it started (None where it recorded none: no
+    floor, or a run of hfscale before 0.4).
+
+    Raises:
+        SweepError: for a record that is not a noise floor.
+    """
+    data = environment.get("noise_floor")
+    if data is None:
+        return None
+    try:
+        return NoiseFloor(**data)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise SweepError(f"environment.json: noise_floor is not a noise floor ({exc}): {data!r}") from exc
 
 
 def noise_floor_of(spec: str | None) -> NoiseFloor | None:
     """The floor that ``--noise-floor`` / ``sweep.noise_floor`` recorded (:func:`hfscale.core.units.noise_floor_spec`):
     a figure, taken as known, or a run folder, whose trials' ok runs give it (their pooled run-to-run noise).
 
+    A sweep reads it once, when it starts, and records it (:func:`recorded_floor`): its resumed runs keep it.
+
     Raises:
-        SweepError: for a run folder in which no trial has two ok runs, or that can no longer be read.
+        SweepError: for a run folder in which no trial has two undisturbed ok runs, an adaptive search's folder, or
+            one that cannot be read.
     """
     if spec is None:
         return None
@@ -136,17 +156,39 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
         rows = read_results(folder)
     except (OSError, ValueError) as exc:
         raise SweepError(f"--noise-floor {spec}: cannot read its rows: {exc}") from exc
-    by_trial: dict[str, list[TrialResult]] = {}
-    for row in rows:
-        by_trial.setdefault(row.trial, []).append(row)
-    noise = pooled_noise({name: run_rates(group) for name, group in by_trial.items()})
+    runs, left_out = _undisturbed_runs(rows)
+    noise = pooled_noise(runs)
     if noise.df < 1:
         raise SweepError(
-            f"--noise-floor {spec}: no trial there has two ok runs, so it measured no run-to-run noise; give a grid "
-            "sweep's folder (measure.repeats of 2 or more) or a figure (15%)"
+            f"--noise-floor {spec}: no trial there has two ok runs"
+            + (f" once the disturbed ones are left out ({'; '.join(left_out)})" if left_out else "")
+            + ", so it measured no run-to-run noise; give a grid sweep's folder (measure.repeats of 2 or more) or a "
+            "figure (15%)"
         )
-    source = f"the pooled run-to-run noise of {spec} ({len(noise.trials)} trials, {noise.df} df)"
+    source = f"the pooled run-to-run noise of {spec} ({len(noise.trials)} trials, {noise.df} df"
+    source += f"; left out: {'; '.join(left_out)})" if left_out else ")"
     return NoiseFloor(sd=noise.sd, df=noise.df, source=source)
+
+
+def _undisturbed_runs(rows: Sequence[TrialResult]) -> tuple[dict[str, list[float]], list[str]]:
+    """Each trial's per-run samples/s for a noise floor, and what was left out, in words: runs the activity sampler
+    saw disturbed (other processes busy on the machine), then trials whose runs disagree far beyond the others'
+    (:func:`~hfscale.results.stats.outliers`). A grid's verdicts keep such trials in their pool (leaving them out
+    would narrow the pool exactly when the sweep was noisy); a floor is the noise of the machine undisturbed, which
+    one busy run would otherwise raise for every decision of the search (a disturbed grid of cpu_small pooled 38.5%,
+    17.1% with its five disturbed runs left out, against 16-18% in its undisturbed neighbours: docs/search.md)."""
+    by_trial: dict[str, list[TrialResult]] = {}
+    disturbed: list[str] = []
+    for row in rows:
+        if row.status == "ok" and disturbances(row.activity):
+            disturbed.append(f"{row.trial} run {row.repeat + 1}")
+            continue
+        by_trial.setdefault(row.trial, []).append(row)
+    runs = {name: run_rates(group) for name, group in by_trial.items()}
+    flagged = outliers(runs)
+    left_out = [f"disturbed run{'s' if len(disturbed) > 1 else ''} {', '.join(disturbed)}"] if disturbed else []
+    left_out += [f"{name} ({reason})" for name, reason in flagged.items()]
+    return {name: rates for name, rates in runs.items() if name not in flagged}, left_out
 
 
 def first_run(run: PlannedRun) -> PlannedRun:
@@ -386,7 +428,9 @@ __all__ = [
     "check_adaptive",
     "first_run",
     "grid_cost",
+    "noise_floor_of",
     "question_of",
+    "recorded_floor",
     "search_settings",
     "trial_states",
 ]

@@ -12,7 +12,7 @@ from hfscale.launch.plan import PlannedRun, SweepSettings, device_not_visible, e
 from hfscale.recipes.schema import Recipe
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
-from hfscale.sweep.adaptive import question_of, search_settings
+from hfscale.sweep.adaptive import noise_floor_of, question_of, search_settings
 from hfscale.sweep.search import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
@@ -41,7 +41,7 @@ def dry_run_lines(
     if budget is not None:
         lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
     if settings.search == "adaptive":
-        question = question_of(settings, budget)
+        question = question_of(settings, budget, noise_floor_of(settings.noise_floor))
         lines.append(
             f"adaptive search for {question.words()}: at most the grid's {len(runs)} runs, plus the largest-batch "
             "rows of the contenders where the batch is an axis (docs/search.md)"

@@ -48,6 +48,7 @@ from hfscale.launch.rows import launch_trial
 from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.records.batch import BatchSearchRecord, ProbeOutcome
 from hfscale.records.row import TrialResult
+from hfscale.records.search import NoiseFloor
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
 from hfscale.sweep.adaptive import AdaptiveSearch, adaptive_mark, question_of
 from hfscale.sweep.batch import search_key, search_trial, searched, why_not_searched
@@ -80,6 +81,8 @@ class Sweep:
     environment: dict[str, Any]
     """This machine's record (``environment.json``, or this resumed run's entry in it)."""
     budget_bytes: int | None
+    noise_floor: NoiseFloor | None = None
+    """An adaptive search's noise floor, as the run recorded it (:class:`~hfscale.sweep.session.SweepStart`)."""
     python: str = sys.executable
     progress: Callable[[str], None] = logger.info
     stored: dict[tuple[str, int], TrialResult] = field(default_factory=dict)
@@ -96,7 +99,8 @@ class Sweep:
     def of(cls, folder: RunFolder, start: SweepStart, launch: LaunchInfo, progress: Callable[[str], None]) -> Sweep:
         return cls(
             folder=folder, recipe=start.recipe, trials=start.trials, settings=start.settings, launch=launch,
-            environment=start.environment, budget_bytes=start.budget_bytes, progress=progress,
+            environment=start.environment, budget_bytes=start.budget_bytes, noise_floor=start.noise_floor,
+            progress=progress,
         )  # fmt: skip
 
     @property
@@ -220,7 +224,7 @@ class Sweep:
             firsts=[r for r in runs if r.repeat == 0],
             originals=self.recipe.resolve(repeats=self.settings.repeats),
             stored=self.stored,
-            question=question_of(self.settings, self.budget_bytes),
+            question=question_of(self.settings, self.budget_bytes, self.noise_floor),
             limits=Limits(max_time_s=self.settings.max_time_s, max_runs=self.settings.max_runs),
             baseline=comparison_baseline(self.recipe),
             launch=lambda run, prefix: self._launch(

@@ -378,8 +378,8 @@ def _frugal(look: _Look, floor: float) -> Next:
                 kind="too_slow",
                 reason=(
                     f"below {floor:g} samples/s beyond the noise: {level.value:.2f} samples/s (geometric mean over "
-                    f"runs, {question.confidence:.0%} Šidák interval {level.low:.2f}-{level.high:.2f})"
-                    + (UNSTEADY_NOTE if state.unsteady else "")
+                    f"runs, {question.confidence:.0%} Šidák interval {level.low:.2f}-{level.high:.2f}"
+                    f"{_floor_clause(question)})" + (UNSTEADY_NOTE if state.unsteady else "")
                 ),
                 ratio=level.value / floor,
                 ratio_low=level.low / floor,
@@ -393,7 +393,7 @@ def _frugal(look: _Look, floor: float) -> Next:
                 return Next(stop="decided", stop_reason=why, answer=state.name)
             why = (
                 f"{state.name} qualifies; {', '.join(contenders)} need less memory but cannot be placed against "
-                f"{floor:g} samples/s within the noise after their runs"
+                f"{floor:g} samples/s within the noise after their runs{_floor_clause(question)}"
             )
             return Next(stop="runs_spent", stop_reason=why, answer=state.name, contenders=contenders)
         if _may_run(look, state):
@@ -401,9 +401,20 @@ def _frugal(look: _Look, floor: float) -> Next:
         undecided.append(state)
     if undecided:
         names = ", ".join(s.name for s in undecided)
-        why = f"{names} cannot be placed against {floor:g} samples/s within the noise after their runs; none qualifies"
+        why = (
+            f"{names} cannot be placed against {floor:g} samples/s within the noise after their runs"
+            f"{_floor_clause(question)}; none qualifies"
+        )
         return Next(stop="runs_spent", stop_reason=why, contenders=tuple(s.name for s in undecided))
     return Next(stop="nothing_fits", stop_reason=f"no trial that fits reaches {floor:g} samples/s")
+
+
+def _floor_clause(question: Question) -> str:
+    """The noise floor's part in a least-memory decision, as a clause ("" without one)."""
+    floor = question.noise_floor
+    if floor is None:
+        return ""
+    return f", no mean taken as known better than one run of the noise floor ({floor.sd:.1%}, {floor.source})"
 
 
 def _level(noise: RunNoise, state: TrialState, trials: int, question: Question) -> Interval | None:

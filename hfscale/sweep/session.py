@@ -22,8 +22,9 @@ from hfscale.launch.plan import NO_BUDGET, SweepError, SweepSettings, memory_bud
 from hfscale.launch.process import end_orphaned_group
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import Recipe, RecipeTrial
+from hfscale.records.search import NoiseFloor
 from hfscale.results.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
-from hfscale.sweep.adaptive import check_adaptive, search_settings
+from hfscale.sweep.adaptive import check_adaptive, noise_floor_of, recorded_floor, search_settings
 from hfscale.sweep.batch_axis import batch_settings, fixed_batch_trials
 from hfscale.sweep.slurm import resume_command
 
@@ -47,6 +48,9 @@ class SweepStart:
     """The memory per device trials must fit (:func:`hfscale.launch.plan.memory_budget`)."""
     resumed: RunFolder | None
     """The run folder to complete; None for a new run."""
+    noise_floor: NoiseFloor | None = None
+    """An adaptive search's noise floor, read once when the run starts and recorded in ``environment.json``: a
+    resumed search keeps it even if the folder it came from has changed or gone."""
 
 
 def open_sweep(
@@ -69,8 +73,9 @@ def open_sweep(
     from hfscale.results.environment import collect_environment
 
     resumed = RunFolder(Path(resume)) if resume is not None else None
+    recorded: dict[str, Any] = {}
     if resumed is not None:
-        recipe, settings = _resumed(resumed, recipe_path, settings or SweepSettings())
+        recipe, settings, recorded = _resumed(resumed, recipe_path, settings or SweepSettings())
     elif recipe_path is None:
         raise SweepError("give a RECIPE (or --resume RUN_DIR)")
     else:
@@ -81,7 +86,12 @@ def open_sweep(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
     check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))
+    floor = recorded_floor(recorded) if resumed is not None else None
+    if floor is None and settings.search == "adaptive":  # a run folder from before the floor was recorded reads it
+        floor = noise_floor_of(settings.noise_floor)
     sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
+    if floor is not None:
+        sweep_info["noise_floor"] = dataclasses.asdict(floor)
     environment = collect_environment(python=python, extra=sweep_info)
     budget = memory_budget(settings, environment)
     if settings.skip_predicted_oom and budget is None:
@@ -93,12 +103,15 @@ def open_sweep(
         environment=environment,
         budget_bytes=budget,
         resumed=resumed,
+        noise_floor=floor,
     )
 
 
-def _resumed(folder: RunFolder, recipe_path: PathLike | None, given: SweepSettings) -> tuple[Recipe, SweepSettings]:
-    """A resumed run folder's recipe (its copy, which ``recipe_path``, when given, must match) and its recorded
-    settings with what ``given`` changes.
+def _resumed(
+    folder: RunFolder, recipe_path: PathLike | None, given: SweepSettings
+) -> tuple[Recipe, SweepSettings, dict[str, Any]]:
+    """A resumed run folder's recipe (its copy, which ``recipe_path``, when given, must match), its recorded
+    settings with what ``given`` changes, and its recorded environment.
 
     Raises:
         SweepError: when it is no run folder, the recipes differ, or its record cannot be read.
@@ -116,7 +129,7 @@ def _resumed(folder: RunFolder, recipe_path: PathLike | None, given: SweepSettin
         recorded = json.loads(folder.environment_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise SweepError(f"--resume {folder.path}: cannot read {folder.environment_path.name} ({exc})") from None
-    return recipe, SweepSettings.from_dict(recorded.get("sweep", {})).for_resume(given)
+    return recipe, SweepSettings.from_dict(recorded.get("sweep", {})).for_resume(given), recorded
 
 
 def run_folder(start: SweepStart, *, out_dir: PathLike, run_dir: PathLike | None) -> RunFolder:

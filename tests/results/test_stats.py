@@ -195,3 +195,22 @@ def test_all_pairs_rest_on_the_floor_too_and_an_empty_side_has_no_interval() -> 
     assert floored.pair("a", "b").verdict == "tie" and floored.pair("a", "c").verdict == "higher"
     floor = stats.NoiseFloor(sd=0.1)
     assert stats.floored_ratio([], [1.0], noise=None, floor=floor, critical=lambda df: 2.0) is None
+
+
+def test_ratio_of_takes_welch_where_the_noise_is_not_shared_and_mixes_own_and_floor_per_side() -> None:
+    """Unshared noise, no floor: Welch's interval, and none for a side of one run (its own noise is unknown). With a
+    floor, each side takes the larger of its own variance of the mean and the floor's: here the noisy side keeps its
+    own (with its 3 runs' 2 df), the quiet side takes the floor's (28 df), at their Welch-Satterthwaite df."""
+    noisy, quiet = [100.0, 130.0, 80.0], [90.0, 90.5, 89.8]
+    t975 = lambda df: float(sps.t.ppf(0.975, df))  # noqa: E731
+    pool = stats.pooled_noise({"n": noisy, "q": quiet})
+    welch = stats.ratio_of(noisy, quiet, noise=pool, shared=False, critical=t975)
+    assert welch == stats.welch_ratio(noisy, quiet, t975, 0.95)
+    assert stats.ratio_of([100.0], quiet, noise=pool, shared=False, critical=t975) is None
+    floor = stats.NoiseFloor(sd=0.1, df=28)
+    mixed = stats.ratio_of(noisy, quiet, noise=pool, shared=False, critical=t975, floor=floor)
+    own = float(np.log(noisy).var(ddof=1)) / 3
+    assert own > floor.sd**2 > float(np.log(quiet).var(ddof=1)) / 3
+    df = (own + floor.sd**2) ** 2 / (own**2 / 2 + floor.sd**4 / 28)
+    assert mixed is not None
+    assert math.log(mixed.high / mixed.value) == pytest.approx(t975(df) * math.sqrt(own + floor.sd**2), rel=1e-9)

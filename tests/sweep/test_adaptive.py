@@ -150,10 +150,28 @@ def test_the_command_line_reads_the_search_options(tmp_path):
     assert SweepSettings.from_dict(recorded) == settings
 
 
+def test_the_command_line_reads_a_noise_floor_as_a_figure_or_a_folder_from_where_it_runs(tmp_path, monkeypatch):
+    from hfscale.commands.sweep import build_parser, settings_from_args
+
+    def floor(*argv: str) -> str | None:
+        return settings_from_args(build_parser().parse_args(["r.yaml", "--search", "adaptive", *argv])).noise_floor
+
+    assert floor("--noise-floor", "15%") == floor("--noise-floor", "0.15") == "0.15"
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "results.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert floor("--noise-floor", "grid") == str(tmp_path / "grid")  # recorded absolute: resume runs elsewhere
+    assert floor() is None
+    for bad in ("150%", "nowhere"):
+        with pytest.raises(SystemExit):
+            floor("--noise-floor", bad)
+
+
 def test_a_noise_floor_from_an_earlier_grid_is_recorded_and_stated(tmp_path, monkeypatch):
     """The recipe names a grid's run folder (relative to the recipe): its pooled run noise is the floor, search.json
     keeps it with its source, every decision names it, and the report's verdicts and search section use it."""
     from hfscale.report.analysis import summarize_run
+    from hfscale.report.plots import ranking_caption
     from hfscale.report.trace import search_paragraphs
 
     scripted_launches(monkeypatch, speed)
@@ -169,6 +187,58 @@ def test_a_noise_floor_from_an_earlier_grid_is_recorded_and_stated(tmp_path, mon
     summary = summarize_run(tmp_path / "run")
     assert summary.speed.floor == floor
     assert any("Noise floor: 1.2% of one run" in str(p) for p in search_paragraphs(summary.search))
+    assert "(Šidák; no mean narrower than one run of the noise floor, 1.2%;" in ranking_caption(summary)
+
+
+def test_a_noise_floor_leaves_out_disturbed_runs_and_trials_whose_runs_disagree(tmp_path, monkeypatch):
+    """A busy run (the activity sampler saw other processes) or a trial whose runs disagree far beyond the others'
+    would raise the floor for every decision of the search: both are left out, and the floor's source says so."""
+    from hfscale.sweep.adaptive import noise_floor_of
+
+    wild = {0: 1.0, 1: 1.6, 2: 0.6}
+    scripted_launches(monkeypatch, lambda name, repeat: speed(name, repeat) * (wild[repeat] if name == "c" else 1))
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "grid", report=False, progress=lambda _: None)
+    results = tmp_path / "grid" / "results.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    for row in rows:
+        if (row["trial"], row["repeat"]) == ("d", 1):
+            row["activity"] = {"samples": 5, "duration_s": 5.0, "cpu_count": 2, "other_cores_mean": 0.9}
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    floor = noise_floor_of(str(tmp_path / "grid"))
+    assert floor.df == 2 + 2 + 1  # a and b 3 runs each, d 2 of its 3, c none
+    assert floor.sd == pytest.approx(0.0115, abs=0.002)  # the 1% runs', not c's 50%
+    assert "left out: disturbed run d run 2" in floor.source and "c (its 3 runs disagree" in floor.source
+
+
+def test_a_resumed_search_keeps_the_floor_it_recorded_though_its_grid_is_gone(tmp_path, monkeypatch):
+    """The floor is read once, when the search starts, and recorded in environment.json: a resumed search does not
+    read the grid again (changed or gone since)."""
+    scripted_launches(monkeypatch, speed)
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "grid", report=False, progress=lambda _: None)
+    sweep(tmp_path, "run", search="adaptive", noise_floor=str(tmp_path / "grid"), max_runs=4)
+    first = RunFolder(tmp_path / "run").search().noise_floor
+    recorded = json.loads((tmp_path / "run" / "environment.json").read_text())["noise_floor"]
+    assert recorded == {"sd": first.sd, "df": first.df, "source": first.source}
+    (tmp_path / "grid").rename(tmp_path / "moved")
+    run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=100), report=False, progress=print)
+    assert RunFolder(tmp_path / "run").search().noise_floor == first
+
+
+def test_the_least_memory_question_under_a_noise_floor_stops_at_two_runs_and_says_why(tmp_path, monkeypatch):
+    """At least 150 samples/s with a 20% floor: c and d are too slow beyond it after one run; a and b (100, 99) can
+    be placed neither way, and their 1% runs cannot narrow a mean the floor holds at 20%: two runs each, not the
+    three of measure.repeats, and every reason names the floor."""
+    launched = scripted_launches(monkeypatch, speed)
+    sweep(tmp_path, "run", search="adaptive", min_samples_per_s=150, noise_floor="0.2")
+    summary = RunFolder(tmp_path / "run").search()
+    assert summary.stop == "runs_spent" and summary.answer is None
+    assert "noise floor (20.0%, given as 20.0%)" in summary.stop_reason and "none qualifies" in summary.stop_reason
+    too_slow = {d.trial: d.reason for d in summary.trace if d.kind == "too_slow"}
+    assert set(too_slow) == {"c", "d"} and all("noise floor" in why for why in too_slow.values())
+    runs = {name: sum(1 for trial, _ in launched if trial == name) for name in SPEEDS}
+    assert runs == {"a": 2, "b": 2, "c": 1, "d": 1}
 
 
 def test_a_noise_floor_is_refused_by_a_grid_and_checked_before_anything_runs(tmp_path, monkeypatch):
