@@ -139,12 +139,16 @@ def many_to_one(
     )  # fmt: skip
 
 
-def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) -> dict[str, str]:
+def outliers(
+    runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA, *, floor: NoiseFloor | None = None
+) -> dict[str, str]:
     """The trials whose runs disagree far beyond the others' pooled noise, each with the reason in words.
 
     An F test of the trial's own variance against the pool of the other trials, Bonferroni-adjusted over the trials
     tested, so that a sweep of identical trials flags one only about ``alpha`` of the time. A trial that does not
-    share the sweep's noise (a disturbed run, a bimodal start-up) gets no verdict.
+    share the sweep's noise (a disturbed run, a bimodal start-up) gets no verdict. Under a noise ``floor`` the test
+    is against the larger of that pool and the floor: a search's runs, made close together, can agree far more
+    than the machine does (0.1% against a grid's 9.3% on cpu_budget), and a trial within the floor is not an outlier.
     """
     logs = {name: run_logs(values) for name, values in runs.items()}
     squares = {name: float(((x - x.mean()) ** 2).sum()) for name, x in logs.items() if x.size >= 2}
@@ -153,20 +157,29 @@ def outliers(runs: Mapping[str, Sequence[float]], alpha: float = OUTLIER_ALPHA) 
     for name, own_squares in squares.items():
         own_df = logs[name].size - 1
         rest_df = total_df - own_df
-        rest_var = (total - own_squares) / rest_df if rest_df else 0.0
-        if rest_var <= 0:
+        pool = (total - own_squares) / rest_df if rest_df else 0.0
+        reference, reference_df, against = pool, float(rest_df), f"{math.sqrt(pool):.1%} pooled over the other trials"
+        if floor is not None and floor.sd**2 > pool:
+            reference, reference_df, against = floor.sd**2, floor.dof, f"the noise floor's {floor.sd:.1%}"
+        if reference <= 0:
             continue
-        from scipy.special import fdtrc  # here: a sweep of single runs never pays scipy's import
-
         own_var = own_squares / own_df
-        p = float(fdtrc(own_df, rest_df, own_var / rest_var))
+        p = _f_survival(own_df, reference_df, own_var / reference)
         if p < alpha / len(squares):
             flagged[name] = (
                 f"its {logs[name].size} runs disagree far beyond the sweep's run-to-run noise "
-                f"({math.sqrt(own_var):.1%} against {math.sqrt(rest_var):.1%} pooled over the other trials, "
-                f"p = {p:.1g})"
+                f"({math.sqrt(own_var):.1%} against {against}, p = {p:.1g})"
             )
     return flagged
+
+
+def _f_survival(df_num: float, df_den: float, ratio: float) -> float:
+    """P(F > ratio) for F(df_num, df_den); a denominator known exactly (infinite df) makes it chi-square's."""
+    from scipy.special import chdtrc, fdtrc  # here: a sweep of single runs never pays scipy's import
+
+    if math.isinf(df_den):
+        return float(chdtrc(df_num, df_num * ratio))
+    return float(fdtrc(df_num, df_den, ratio))
 
 
 def within_threshold(ratio: float, noise_threshold: float = DEFAULT_NOISE_THRESHOLD) -> bool:
@@ -328,7 +341,7 @@ def sweep_noise(
     kept = {name: tuple(float(v) for v in values) for name, values in runs.items()}
     # A flagged trial stays in the pool: leaving it out would shrink the pool exactly when the sweep was noisy
     # (simulated at 2 runs a trial: 5.4% of identical sweeps then called something, against 4.9% with it in).
-    flagged = outliers(kept)
+    flagged = outliers(kept, floor=floor)
     noise = pooled_noise(kept)
     # Whether the trials share one noise is asked of those not flagged: one disturbed trial is its own problem, not
     # evidence that the others differ. Where they do not share it, each trial is judged on its own runs, so a

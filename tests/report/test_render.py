@@ -123,6 +123,12 @@ def test_html_is_self_contained(run: Path) -> None:
     assert all(f"]({fig.name})" in md for fig in paths.figures)
 
 
+COMMITTED_RUNS = [
+    *("bert_large-h100", "cpu_small-cpu2", "cpu_techniques-cpu2", "cpu_small-cpu2-adaptive"),
+    *("cpu_budget-cpu2-adaptive", "cpu_budget-cpu2-grid", "cpu_budget-cpu2-floor"),
+]
+
+
 def test_empty_run_still_reports(tmp_path: Path) -> None:
     paths = report.write_report(write_run(tmp_path / "r", []))
     assert "0 trials" in paths.markdown.read_text(encoding="utf-8") and paths.figures == ()
@@ -130,7 +136,7 @@ def test_empty_run_still_reports(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["bert_large-h100", "cpu_small-cpu2", "cpu_techniques-cpu2", "cpu_small-cpu2-adaptive", "cpu_budget-cpu2-adaptive"],
+    COMMITTED_RUNS,
 )
 def test_committed_runs_rerender_with_the_same_numbers(name: str, tmp_path: Path) -> None:
     """Every number of the committed report's Trials and Memory tables comes back, except the optimizer of the

@@ -214,3 +214,16 @@ def test_ratio_of_takes_welch_where_the_noise_is_not_shared_and_mixes_own_and_fl
     df = (own + floor.sd**2) ** 2 / (own**2 / 2 + floor.sd**4 / 28)
     assert mixed is not None
     assert math.log(mixed.high / mixed.value) == pytest.approx(t975(df) * math.sqrt(own + floor.sd**2), rel=1e-9)
+
+
+def test_under_a_noise_floor_a_trial_is_flagged_only_beyond_the_floor() -> None:
+    """A search's repeats run close together: the pool of the other trials can be far below what the machine does
+    over a longer time (0.1% against a grid's 9.3%, measured on cpu_budget). Under a floor, a trial's runs are
+    tested against the larger of that pool and the floor: 13.5% apart is within a 9.3% floor, 60% is not."""
+    runs = {"a": [100.0, 115.0], "b": [120.0, 120.1, 120.2], "c": [90.0, 90.1]}
+    assert "a" in stats.sweep_noise(runs).flagged  # against the others' 0.1%
+    floor = stats.NoiseFloor(sd=0.093, df=28, source="a grid")
+    assert stats.sweep_noise(runs, floor=floor).flagged == {}
+    wild = {**runs, "a": [100.0, 180.0]}
+    flagged = stats.sweep_noise(wild, floor=floor).flagged
+    assert set(flagged) == {"a"} and "against the noise floor's 9.3%" in flagged["a"]
