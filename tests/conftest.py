@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 from helpers.models import TINY_BERT, TINY_GPT2
-from helpers.runs import TINY_SWEEP_RECIPE, one_thread
+from helpers.runs import TINY_SWEEP_RECIPE, made_once, one_thread, session_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,7 +81,9 @@ def malloc_in_use():
 
 @pytest.fixture(scope="session")
 def tiny_sweep_run(tmp_path_factory: pytest.TempPathFactory):
-    """The run folder of ONE real sweep of :data:`TINY_SWEEP_RECIPE` (no report written: tests write their own).
+    """The run folder of ONE real sweep of :data:`TINY_SWEEP_RECIPE` (no report written: tests write their own),
+    made once per test session: under pytest-xdist the first worker to need it makes it, and the others wait for it
+    and read the same folder (:func:`helpers.runs.made_once`).
 
     Treat it as read-only (copy it to change it): every test of the session sees the same folder.
     """
@@ -89,9 +91,10 @@ def tiny_sweep_run(tmp_path_factory: pytest.TempPathFactory):
 
     from hfscale.sweep.loop import run_sweep
 
-    root = tmp_path_factory.mktemp("tiny-sweep")
-    recipe = root / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(TINY_SWEEP_RECIPE), encoding="utf-8")
-    with one_thread():
-        run_sweep(recipe, run_dir=root / "run", report=False, progress=lambda line: None)
-    return root / "run"
+    def make(root):
+        recipe = root / "tiny.yaml"
+        recipe.write_text(yaml.safe_dump(TINY_SWEEP_RECIPE), encoding="utf-8")
+        with one_thread():
+            run_sweep(recipe, run_dir=root / "run", report=False, progress=lambda line: None)
+
+    return made_once(session_root(tmp_path_factory) / "tiny-sweep", make) / "run"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,28 @@ def one_thread() -> Iterator[None]:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = previous
+
+
+def session_root(tmp_path_factory) -> Path:
+    """A folder every process of this test session shares: pytest-xdist's workers each get a base temp folder
+    under the session's own (``.../pytest-N/popen-gwK``); a run without xdist has only its own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(root: Path, make: Callable[[Path], None]) -> Path:
+    """``root`` after ``make(root)`` has run once in this session, whichever process asked first: the others wait on
+    a file lock and find it made (a real sweep is evidence for every test that reads it, not once per worker). A
+    ``make`` that raised leaves it unmade, and the next process to ask tries again, failing its own test."""
+    from filelock import FileLock
+
+    root.mkdir(parents=True, exist_ok=True)
+    made = root / ".made"
+    with FileLock(root.with_name(root.name + ".lock")):
+        if not made.exists():
+            make(root)
+            made.touch()
+    return root
 
 
 def launch_as_sweep(
