@@ -21,7 +21,7 @@ from hfscale.launch.plan import SettingError, SweepError, SweepSettings
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
-from hfscale.results.run_folder import RECIPE_FILE, RunFolderError
+from hfscale.results.run_folder import RunFolderError
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
 from hfscale.sweep.outcome import (
@@ -242,16 +242,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchInfo) -> int:
-    """``--dry-run``: print the trials and their launch commands; the recipe is the run folder's with ``--resume``.
+    """``--dry-run``: print the trials and their launch commands. With ``--resume``, what that run would go on
+    with: its recipe's copy, its recorded settings (with what the command line changes) and its recorded noise
+    floor.
 
     Raises:
         RecipeError: for an invalid recipe.
+        SweepError: for a run folder that cannot be resumed.
     """
-    recipe_path = args.recipe or (args.resume / RECIPE_FILE if args.resume else None)
-    if recipe_path is None:
+    if args.resume is not None:
+        from hfscale.sweep.session import open_sweep
+
+        start = open_sweep(args.recipe, resume=args.resume, settings=settings, launch=launch)
+        lines = dry_run_lines(start.recipe, start.settings, launch, noise_floor=start.noise_floor)
+    elif args.recipe is None:
         print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
         return 2
-    for line in dry_run_lines(load_recipe(recipe_path), settings, launch):
+    else:
+        lines = dry_run_lines(load_recipe(args.recipe), settings, launch)
+    for line in lines:
         print(line)
     return 0
 

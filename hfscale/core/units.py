@@ -71,10 +71,10 @@ def noise_floor_spec(value: object, base: Path, *, must_exist: bool = True) -> s
             folder named ``0.2``: ``./0.2`` is the folder, ``20%`` the figure).
     """
     share = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else parse_share(str(value))
-    if share is not None and isinstance(value, str) and (base / value / "results.jsonl").is_file():
+    if share is not None and isinstance(value, str) and (base / value.strip() / "results.jsonl").is_file():
         raise ValueError(
-            f"{value!r} reads as a figure and names a run folder in {base}: write ./{value.strip()} for the folder, "
-            f"or the figure with a % sign ({share:.0%})"
+            f"{value!r} reads as a figure and names a run folder in {base}: write ./{value.strip()} for the folder; "
+            f"the figure reads the same as {share:g} or {share:.0%} (whichever names no folder)"
         )
     if share is not None:
         if not 0 < share < 1:

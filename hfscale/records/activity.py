@@ -59,18 +59,29 @@ def disturbances(activity: MachineActivity | None) -> list[str]:
     """Why a trial's speed figures may be unreliable, one sentence each; empty when nothing was seen."""
     if activity is None or activity.samples == 0:
         return []
+    found = others_busy(activity)
+    if activity.steal_fraction is not None and activity.steal_fraction > BUSY_STEAL:
+        found.append(f"the hypervisor stole {activity.steal_fraction:.0%} of the CPU time")
+    for gpu in activity.gpus:
+        if gpu.throttle_reasons:
+            found.append(f"GPU {gpu.index} throttled its clocks ({', '.join(gpu.throttle_reasons)})")
+    return found
+
+
+def others_busy(activity: MachineActivity | None) -> list[str]:
+    """The part of :func:`disturbances` that other processes caused (busy cores, a shared GPU), as against what the
+    machine itself did (stolen CPU time, throttled clocks): a noise floor leaves out the first and keeps the second,
+    which is the drift it measures."""
+    if activity is None or activity.samples == 0:
+        return []
     found = []
     if activity.other_cores_mean is not None and activity.other_cores_mean > BUSY_CORES:
         who = f" ({', '.join(activity.busy_processes[:3])})" if activity.busy_processes else ""
         found.append(
             f"other processes used {activity.other_cores_mean:.2f} of {activity.cpu_count} cores on average{who}"
         )
-    if activity.steal_fraction is not None and activity.steal_fraction > BUSY_STEAL:
-        found.append(f"the hypervisor stole {activity.steal_fraction:.0%} of the CPU time")
     for gpu in activity.gpus:
         if gpu.other_processes:
             pids = ", ".join(str(p) for p in gpu.other_processes[:5])
             found.append(f"GPU {gpu.index} was shared with other processes (pids {pids})")
-        if gpu.throttle_reasons:
-            found.append(f"GPU {gpu.index} throttled its clocks ({', '.join(gpu.throttle_reasons)})")
     return found

@@ -148,7 +148,9 @@ def outliers(
     tested, so that a sweep of identical trials flags one only about ``alpha`` of the time. A trial that does not
     share the sweep's noise (a disturbed run, a bimodal start-up) gets no verdict. Under a noise ``floor`` the test
     is against the larger of that pool and the floor: a search's runs, made close together, can agree far more
-    than the machine does (0.1% against a grid's 9.3% on cpu_budget), and a trial within the floor is not an outlier.
+    than the machine does (one other trial's two runs, 0.1% apart in sd, against a grid's 9.3% on cpu_budget), and a
+    trial within the floor is not an outlier; a trial beyond it is flagged even where no other trial ran twice.
+    (Standard deviations of ln(samples/s) throughout.)
     """
     logs = {name: run_logs(values) for name, values in runs.items()}
     squares = {name: float(((x - x.mean()) ** 2).sum()) for name, x in logs.items() if x.size >= 2}
@@ -159,15 +161,17 @@ def outliers(
         rest_df = total_df - own_df
         pool = (total - own_squares) / rest_df if rest_df else 0.0
         reference, reference_df, against = pool, float(rest_df), f"{math.sqrt(pool):.1%} pooled over the other trials"
+        beyond = "the sweep's run-to-run noise"
         if floor is not None and floor.sd**2 > pool:
             reference, reference_df, against = floor.sd**2, floor.dof, f"the noise floor's {floor.sd:.1%}"
+            beyond = "the noise floor"
         if reference <= 0:
             continue
         own_var = own_squares / own_df
         p = _f_survival(own_df, reference_df, own_var / reference)
         if p < alpha / len(squares):
             flagged[name] = (
-                f"its {logs[name].size} runs disagree far beyond the sweep's run-to-run noise "
+                f"its {logs[name].size} runs disagree far beyond {beyond} "
                 f"({math.sqrt(own_var):.1%} against {against}, p = {p:.1g})"
             )
     return flagged

@@ -21,7 +21,7 @@ from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
 from hfscale.recipes.recipe import adaptive_refusal
 from hfscale.recipes.schema import RecipeTrial, SweepOptions
-from hfscale.records.activity import disturbances
+from hfscale.records.activity import others_busy
 from hfscale.records.batch import max_batch_base
 from hfscale.records.row import TrialResult
 from hfscale.records.search import NoiseFloor, SearchDecision, SearchSummary
@@ -111,19 +111,29 @@ def question_of(settings: SweepSettings, budget_bytes: int | None, floor: NoiseF
 
 
 def recorded_floor(environment: Mapping[str, object]) -> NoiseFloor | None:
-    """The noise floor a run recorded in its ``environment.json`` when it started (None where it recorded none: no
-    floor, or a run of hfscale before 0.4).
+    """The noise floor a run recorded in its ``environment.json``: when it started, or, for a run folder older than
+    that record, when a later ``--resume`` of it read the floor (its latest entry under ``resumed``); None where
+    neither recorded one.
 
     Raises:
-        SweepError: for a record that is not a noise floor.
+        SweepError: for a record that is not a noise floor (keys unknown to this version are ignored).
     """
-    data = environment.get("noise_floor")
+    resumed = environment.get("resumed")
+    entries = [environment, *reversed(resumed if isinstance(resumed, list) else [])]
+    data = next((e["noise_floor"] for e in entries if isinstance(e, Mapping) and e.get("noise_floor")), None)
     if data is None:
         return None
+    if not isinstance(data, Mapping) or "sd" not in data or "df" not in data:
+        raise SweepError(f"environment.json: noise_floor is not a noise floor (sd and df are required): {data!r}")
+    sd, df = data["sd"], data["df"]
+    if isinstance(sd, bool) or not isinstance(sd, int | float):
+        raise SweepError(f"environment.json: noise_floor.sd must be a number, got {sd!r}")
+    if df is not None and (isinstance(df, bool) or not isinstance(df, int)):
+        raise SweepError(f"environment.json: noise_floor.df must be a whole number or null, got {df!r}")
     try:
-        return NoiseFloor(**data)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise SweepError(f"environment.json: noise_floor is not a noise floor ({exc}): {data!r}") from exc
+        return NoiseFloor(sd=float(sd), df=df, source=str(data.get("source") or ""))
+    except ValueError as exc:
+        raise SweepError(f"environment.json: noise_floor: {exc}") from exc
 
 
 def noise_floor_of(spec: str | None) -> NoiseFloor | None:
@@ -140,7 +150,7 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
         return None
     share = parse_share(spec)
     if share is not None:
-        return NoiseFloor(sd=share, source=f"given as {share:.1%}")
+        return NoiseFloor(sd=share, source="given as a figure")
     folder = Path(spec)
     if not (folder / RESULTS_FILE).is_file():
         raise SweepError(
@@ -161,7 +171,7 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
     if noise.df < 1:
         raise SweepError(
             f"--noise-floor {spec}: no trial there has two ok runs"
-            + (f" once the disturbed ones are left out ({'; '.join(left_out)})" if left_out else "")
+            + (f" once these are left out: {'; '.join(left_out)}" if left_out else "")
             + ", so it measured no run-to-run noise; give a grid sweep's folder (measure.repeats of 2 or more) or a "
             "figure (15%)"
         )
@@ -171,22 +181,24 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
 
 
 def _undisturbed_runs(rows: Sequence[TrialResult]) -> tuple[dict[str, list[float]], list[str]]:
-    """Each trial's per-run samples/s for a noise floor, and what was left out, in words: runs the activity sampler
-    saw disturbed (other processes busy on the machine), then trials whose runs disagree far beyond the others'
-    (:func:`~hfscale.results.stats.outliers`). A grid's verdicts keep such trials in their pool (leaving them out
-    would narrow the pool exactly when the sweep was noisy); a floor is the noise of the machine undisturbed, which
-    one busy run would otherwise raise for every decision of the search (a disturbed grid of cpu_small pooled 38.5%,
-    17.1% with its five disturbed runs left out, against 16-18% in its undisturbed neighbours: docs/search.md)."""
+    """Each trial's per-run samples/s for a noise floor, and what was left out, in words: runs during which the
+    activity sampler saw other processes busy on the machine (:func:`~hfscale.records.activity.others_busy`; stolen
+    CPU time and throttled clocks stay in: they are the machine's own drift, which the floor measures), then trials
+    whose runs disagree far beyond the others' (:func:`~hfscale.results.stats.outliers`). A grid's verdicts keep
+    such trials in their pool (leaving them out would narrow the pool exactly when the sweep was noisy); a floor is
+    the machine's own noise, which one busy run would otherwise raise for every decision of the search (a grid of
+    cpu_small run beside other work pooled 38.5%, 17.1% with those runs left out, against 13-18% in undisturbed
+    grids: docs/search.md)."""
     by_trial: dict[str, list[TrialResult]] = {}
-    disturbed: list[str] = []
+    busy: list[str] = []
     for row in rows:
-        if row.status == "ok" and disturbances(row.activity):
-            disturbed.append(f"{row.trial} run {row.repeat + 1}")
+        if row.status == "ok" and others_busy(row.activity):
+            busy.append(f"{row.trial} run {row.repeat + 1}")
             continue
         by_trial.setdefault(row.trial, []).append(row)
     runs = {name: run_rates(group) for name, group in by_trial.items()}
     flagged = outliers(runs)
-    left_out = [f"disturbed run{'s' if len(disturbed) > 1 else ''} {', '.join(disturbed)}"] if disturbed else []
+    left_out = [f"runs beside other busy processes: {', '.join(busy)}"] if busy else []
     left_out += [f"{name} ({reason})" for name, reason in flagged.items()]
     return {name: rates for name, rates in runs.items() if name not in flagged}, left_out
 

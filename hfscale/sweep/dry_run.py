@@ -10,6 +10,7 @@ from hfscale.core.units import GIB
 from hfscale.launch.group import LaunchInfo, trial_command
 from hfscale.launch.plan import PlannedRun, SweepSettings, device_not_visible, estimate_runs, memory_budget, plan_runs
 from hfscale.recipes.schema import Recipe
+from hfscale.records.search import NoiseFloor
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
 from hfscale.sweep.adaptive import noise_floor_of, question_of, search_settings
@@ -17,10 +18,16 @@ from hfscale.sweep.search import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
 def dry_run_lines(
-    recipe: Recipe, settings: SweepSettings, launch: LaunchInfo, *, python: str = sys.executable
+    recipe: Recipe,
+    settings: SweepSettings,
+    launch: LaunchInfo,
+    *,
+    noise_floor: NoiseFloor | None = None,
+    python: str = sys.executable,
 ) -> list[str]:
     """The expanded trials, each one's predicted peak memory and the command each would run, without running
-    anything (configs go to a temporary folder, shown as ``RUN/trials/NAME``).
+    anything (configs go to a temporary folder, shown as ``RUN/trials/NAME``). ``noise_floor``: a resumed run's
+    recorded floor (else the settings' is read).
 
     Raises:
         SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
@@ -41,7 +48,7 @@ def dry_run_lines(
     if budget is not None:
         lines.append(f"memory budget {budget / GIB:.2f} GiB per device")
     if settings.search == "adaptive":
-        question = question_of(settings, budget, noise_floor_of(settings.noise_floor))
+        question = question_of(settings, budget, noise_floor or noise_floor_of(settings.noise_floor))
         lines.append(
             f"adaptive search for {question.words()}: at most the grid's {len(runs)} runs, plus the largest-batch "
             "rows of the contenders where the batch is an axis (docs/search.md)"

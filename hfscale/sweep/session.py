@@ -86,8 +86,10 @@ def open_sweep(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
     check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))
-    floor = recorded_floor(recorded) if resumed is not None else None
-    if floor is None and settings.search == "adaptive":  # a run folder from before the floor was recorded reads it
+    floor = _resumed_floor(resumed, recorded) if resumed is not None else None
+    if floor is None and settings.search == "adaptive" and settings.noise_floor is not None:
+        if resumed is not None:
+            logger.warning("%s recorded no noise floor: reading it from %s again", resumed.path, settings.noise_floor)
         floor = noise_floor_of(settings.noise_floor)
     sweep_info = {"sweep": settings.to_dict(), "launch": dataclasses.asdict(launch), "command": list(sys.argv)}
     if floor is not None:
@@ -105,6 +107,19 @@ def open_sweep(
         resumed=resumed,
         noise_floor=floor,
     )
+
+
+def _resumed_floor(folder: RunFolder, recorded: dict[str, Any]) -> NoiseFloor | None:
+    """The noise floor a resumed search started with: as its ``environment.json`` recorded it, else, for a search
+    run before that record, as its ``search.json`` did (written when it ended; a resumed search removes it)."""
+    floor = recorded_floor(recorded)
+    if floor is None:
+        try:
+            summary = folder.search()
+        except (OSError, ValueError):  # a torn search.json: the floor is read from its source again
+            summary = None
+        floor = summary.noise_floor if summary is not None else None
+    return floor
 
 
 def _resumed(

@@ -26,7 +26,9 @@ def test_a_noise_floor_is_a_figure_or_a_run_folder_and_anything_else_is_named(tm
 def test_text_that_is_both_a_figure_and_a_run_folder_is_refused_with_both_readings(tmp_path) -> None:
     (tmp_path / "0.2").mkdir()
     (tmp_path / "0.2" / "results.jsonl").write_text("")
-    with pytest.raises(ValueError, match=r"'0.2' reads as a figure and names a run folder .*\./0\.2 .* \(20%\)"):
+    with pytest.raises(
+        ValueError, match=r"'0.2' reads as a figure and names a run folder .*\./0\.2 for the folder; .* 0\.2 or 20%"
+    ):
         noise_floor_spec("0.2", tmp_path)
     assert noise_floor_spec("./0.2", tmp_path) == str((tmp_path / "0.2").resolve())
     assert noise_floor_spec(0.2, tmp_path) == "0.2"  # a recipe's number is a number

@@ -252,8 +252,8 @@ def test_energy_and_cost_are_shown_only_where_measured(tmp_path: Path) -> None:
 
 
 def test_a_committed_search_under_a_noise_floor_flags_nothing_within_the_floor() -> None:
-    """results/cpu_budget-cpu2-floor: fp32's two runs are 13.5% apart, the other trials' runs (close together)
-    0.1%. Against those alone fp32 was flagged and ddp-x2 recommended, untested; against the grid's 9.3% floor
+    """results/cpu_budget-cpu2-floor: fp32's two runs are 21% apart (13.5% in sd of ln), ddp-x2's (close together)
+    0.1% in sd. Against those alone fp32 was flagged and ddp-x2 recommended, untested; against the grid's 9.3% floor
     nothing is flagged and fp32 is recommended, tied with ddp-x2, as by the grid before it."""
     summary = report.summarize_run(REPO / "results" / "cpu_budget-cpu2-floor")
     assert summary.speed.floor is not None and summary.speed.floor.sd == pytest.approx(0.093, abs=0.001)

@@ -219,11 +219,24 @@ def test_ratio_of_takes_welch_where_the_noise_is_not_shared_and_mixes_own_and_fl
 def test_under_a_noise_floor_a_trial_is_flagged_only_beyond_the_floor() -> None:
     """A search's repeats run close together: the pool of the other trials can be far below what the machine does
     over a longer time (0.1% against a grid's 9.3%, measured on cpu_budget). Under a floor, a trial's runs are
-    tested against the larger of that pool and the floor: 13.5% apart is within a 9.3% floor, 60% is not."""
+    tested against the larger of that pool and the floor: runs 15% apart (9.9% in sd of ln) are within a 9.3% floor,
+    80% apart (41.6%) are not, and the reason says the floor."""
     runs = {"a": [100.0, 115.0], "b": [120.0, 120.1, 120.2], "c": [90.0, 90.1]}
     assert "a" in stats.sweep_noise(runs).flagged  # against the others' 0.1%
     floor = stats.NoiseFloor(sd=0.093, df=28, source="a grid")
     assert stats.sweep_noise(runs, floor=floor).flagged == {}
     wild = {**runs, "a": [100.0, 180.0]}
     flagged = stats.sweep_noise(wild, floor=floor).flagged
-    assert set(flagged) == {"a"} and "against the noise floor's 9.3%" in flagged["a"]
+    assert set(flagged) == {"a"} and "beyond the noise floor (41.6% against the noise floor's 9.3%" in flagged["a"]
+
+
+def test_a_floor_given_as_a_figure_is_a_known_variance_for_the_flag_too() -> None:
+    """No degrees of freedom: the F test's denominator is exact, so its tail is chi-square's (F with a very large
+    denominator df gives the same)."""
+    from scipy.special import fdtrc
+
+    runs = {"a": [100.0, 125.0], "b": [120.0, 120.1]}
+    known = stats.outliers(runs, alpha=1.0, floor=stats.NoiseFloor(sd=0.093))
+    ratio = (math.log(1.25) ** 2 / 2) / 0.093**2
+    assert f"p = {float(fdtrc(1, 1e9, ratio)):.1g})" in known["a"]
+    assert stats.outliers(runs, floor=stats.NoiseFloor(sd=0.093)) == {}

@@ -208,7 +208,10 @@ def test_a_noise_floor_leaves_out_disturbed_runs_and_trials_whose_runs_disagree(
     floor = noise_floor_of(str(tmp_path / "grid"))
     assert floor.df == 2 + 2 + 1  # a and b 3 runs each, d 2 of its 3, c none
     assert floor.sd == pytest.approx(0.0115, abs=0.002)  # the 1% runs', not c's 50%
-    assert "left out: disturbed run d run 2" in floor.source and "c (its 3 runs disagree" in floor.source
+    assert (
+        "left out: runs beside other busy processes: d run 2" in floor.source
+        and "c (its 3 runs disagree" in floor.source
+    )
 
 
 def test_a_resumed_search_keeps_the_floor_it_recorded_though_its_grid_is_gone(tmp_path, monkeypatch):
@@ -234,11 +237,40 @@ def test_the_least_memory_question_under_a_noise_floor_stops_at_two_runs_and_say
     sweep(tmp_path, "run", search="adaptive", min_samples_per_s=150, noise_floor="0.2")
     summary = RunFolder(tmp_path / "run").search()
     assert summary.stop == "runs_spent" and summary.answer is None
-    assert "noise floor (20.0%, given as 20.0%)" in summary.stop_reason and "none qualifies" in summary.stop_reason
+    assert "noise floor (20.0%, given as a figure)" in summary.stop_reason and "none qualifies" in summary.stop_reason
     too_slow = {d.trial: d.reason for d in summary.trace if d.kind == "too_slow"}
     assert set(too_slow) == {"c", "d"} and all("noise floor" in why for why in too_slow.values())
     runs = {name: sum(1 for trial, _ in launched if trial == name) for name in SPEEDS}
     assert runs == {"a": 2, "b": 2, "c": 1, "d": 1}
+
+
+def test_a_search_from_before_the_record_resumes_on_its_search_json_floor_and_records_it(tmp_path, monkeypatch, capsys):
+    """A run folder whose environment.json has no floor (written before the record) but whose search.json does: the
+    resumed search takes that one, not the grid's figure read again, and records it for the next resume. A record
+    that is not a floor is refused, naming the file. The dry run of a resume shows the recorded floor, although the
+    recipe's relative path no longer resolves from the run folder's copy."""
+    from hfscale.commands.sweep import main
+
+    scripted_launches(monkeypatch, speed)
+    grid = {**RECIPE, "sweep": {"search": "grid"}}
+    run_sweep(write_recipe(tmp_path, grid), run_dir=tmp_path / "grid", report=False, progress=lambda _: None)
+    floored = {**RECIPE, "sweep": {"search": "adaptive", "noise_floor": "grid"}}
+    run_sweep(write_recipe(tmp_path, floored), run_dir=tmp_path / "run", settings=SweepSettings(max_runs=4),
+              report=False, progress=lambda _: None)  # fmt: skip
+    first = RunFolder(tmp_path / "run").search().noise_floor
+    assert main(["--dry-run", "--resume", str(tmp_path / "run")]) == 0
+    assert f"noise floor {first.sd:.1%} of one run: {first.source}" in capsys.readouterr().out
+    environment = tmp_path / "run" / "environment.json"
+    recorded = json.loads(environment.read_text())
+    environment.write_text(json.dumps({**recorded, "noise_floor": {"sd": "high", "df": 3}}))
+    with pytest.raises(SweepError, match=r"environment\.json: noise_floor\.sd must be a number"):
+        run_sweep(None, resume=tmp_path / "run", report=False, progress=lambda _: None)
+    environment.write_text(json.dumps({k: v for k, v in recorded.items() if k != "noise_floor"}))
+    (tmp_path / "grid").rename(tmp_path / "moved")
+    run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=6), report=False, progress=print)
+    assert RunFolder(tmp_path / "run").search().noise_floor == first
+    run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=100), report=False, progress=print)
+    assert RunFolder(tmp_path / "run").search().noise_floor == first  # from the first resume's record
 
 
 def test_a_noise_floor_is_refused_by_a_grid_and_checked_before_anything_runs(tmp_path, monkeypatch):
