@@ -10,6 +10,7 @@ for.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -123,17 +124,15 @@ def recorded_floor(environment: Mapping[str, object]) -> NoiseFloor | None:
     data = next((e["noise_floor"] for e in entries if isinstance(e, Mapping) and e.get("noise_floor")), None)
     if data is None:
         return None
-    if not isinstance(data, Mapping) or "sd" not in data or "df" not in data:
+    if not isinstance(data, Mapping) or "df" not in data:  # a missing df would read as a figure taken as known
         raise SweepError(f"environment.json: noise_floor is not a noise floor (sd and df are required): {data!r}")
-    sd, df = data["sd"], data["df"]
-    if isinstance(sd, bool) or not isinstance(sd, int | float):
-        raise SweepError(f"environment.json: noise_floor.sd must be a number, got {sd!r}")
-    if df is not None and (isinstance(df, bool) or not isinstance(df, int)):
-        raise SweepError(f"environment.json: noise_floor.df must be a whole number or null, got {df!r}")
-    try:
-        return NoiseFloor(sd=float(sd), df=df, source=str(data.get("source") or ""))
-    except ValueError as exc:
-        raise SweepError(f"environment.json: noise_floor: {exc}") from exc
+    from pydantic import TypeAdapter, ValidationError
+
+    try:  # strict: a bool or a string is no number; keys unknown to this version are ignored
+        return TypeAdapter(NoiseFloor).validate_json(json.dumps(data), strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in exc.errors())
+        raise SweepError(f"environment.json: noise_floor is not a noise floor ({problems}): {data!r}") from None
 
 
 def noise_floor_of(spec: str | None) -> NoiseFloor | None:
