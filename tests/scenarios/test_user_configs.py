@@ -27,6 +27,10 @@ from hfscale.techniques import fsdp_cpu
 
 SCRIPT = SCRIPTS / "user_script.py"
 FSDP_FLAG = "--fsdp2-on-cpu"
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""Gloo's teardown race in torch 2.13 (pytorch/pytorch#179291, abandoned): at interpreter exit, after
+``destroy_process_group``, a rank can abort on a worker thread still holding tensors. Seen twice in 2-process FSDP2
+runs on CPU, once in a fresh-clone CI run (2026-11-27), never in 16 runs in a row on an idle machine."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,23 @@ def run_printed(printed: Printed, cfg: Path, out: Path) -> subprocess.CompletedP
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
 
 
+def aborted_at_teardown(proc: subprocess.CompletedProcess, out: Path, ranks: int) -> bool:
+    """Whether the run failed only by :data:`TEARDOWN_ABORT`, after every rank had written its records: the
+    evidence from inside the run stands, as a sweep keeps a result written before its group failed to exit
+    (``LaunchRecord.after_result``)."""
+    return TEARDOWN_ABORT in proc.stderr and len(list(out.glob("log_history_rank*.json"))) == ranks
+
+
+def run_recorded(printed: Printed, cfg: Path, out: Path, *, ranks: int) -> subprocess.CompletedProcess:
+    """:func:`run_printed`, once more when a rank aborted at :data:`TEARDOWN_ABORT` before every rank had written
+    its records (the race is torch's, not the printed config's; any other failure is returned as it is)."""
+    proc = run_printed(printed, cfg, out)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and not aborted_at_teardown(proc, out, ranks):
+        shutil.rmtree(out)
+        proc = run_printed(printed, cfg, out)
+    return proc
+
+
 def verify_records(out: Path) -> list[dict[str, Any]]:
     records = []
     for path in sorted(out.glob("log_history_rank*.json")):
@@ -166,10 +187,10 @@ def test_printed_config_runs_as_asked_in_a_user_script(
     case = CASES[name]
     cfg, out = tmp_path / "cfg", tmp_path / "out"
     printed = write_configs(case.argv, cfg, capsys)
-    proc = run_printed(printed, cfg, out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = verify_records(out)
     strategy = json.loads((cfg / "strategy.json").read_text())
+    proc = run_recorded(printed, cfg, out, ranks=strategy["num_processes"])
+    assert proc.returncode == 0 or aborted_at_teardown(proc, out, strategy["num_processes"]), proc.stderr[-4000:]
+    records = verify_records(out)
     assert len(records) == strategy["num_processes"]
     for record in records:
         assert record["ok"] == 1, record.get("reason")

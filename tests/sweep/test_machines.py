@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.runs import import_config_writers
 
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SweepError, SweepSettings
@@ -181,6 +182,7 @@ def test_a_machine_that_never_comes_is_a_timeout_row_naming_it(tmp_path: Path) -
 
     port = _free_port_block(40000, 50000, 1)
     launch = LaunchInfo(machine_rank=0, num_machines=2, master_addr="127.0.0.1", master_port=port)
+    import_config_writers()
     start = time.monotonic()
     outcome = run_sweep(
         _recipe(tmp_path / "two.yaml"),
