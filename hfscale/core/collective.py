@@ -1,4 +1,5 @@
-"""One gather across the ranks of a training run, so every reader gathers alike (and one process gathers nothing).
+"""One gather across the ranks of a training run, so every reader gathers alike (and one process gathers nothing),
+and one way to take the process group down at the end of a run.
 
 torch is imported when a gather is asked for, not when this module is: the floors above import it at their top.
 """
@@ -29,4 +30,21 @@ def all_gather_object(obj: Any, world_size: int | None = None) -> list[Any]:
     return gathered
 
 
-__all__ = ["all_gather_object"]
+def end_process_group() -> None:
+    """Take the run's process group down once every rank has reached this point; nothing without one.
+
+    Call it on every rank, after the main process has written what the run produced. The barrier keeps the other
+    ranks from exiting first: a rank can abort at interpreter exit (torch 2.13's Gloo teardown race, "terminate
+    called without an active exception", pytorch/pytorch#179291), and the launcher then ends the whole group,
+    the main process with it, possibly before it has written its result.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+__all__ = ["all_gather_object", "end_process_group"]

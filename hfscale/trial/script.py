@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfscale.core.collective import end_process_group
 from hfscale.records.row import TrialOutcome
 from hfscale.techniques import TECHNIQUES
 from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
@@ -233,10 +234,7 @@ class ScriptHook:
         self.outcome = trial_outcome(self.spec, self.built, output, self.arguments, self.timer)
         if self.result_path is not None and trainer.is_world_process_zero():
             write_outcome(self.outcome, self.result_path)
-        import torch
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()
 
 
 def _run_script(path: str, args: tuple[str, ...]) -> None:

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfscale.configs import DEEPSPEED_FILE
+from hfscale.core.collective import end_process_group
 from hfscale.core.files import utc_from_epoch, write_atomic
 from hfscale.core.imports import leave_out_peft
 from hfscale.records.row import TrialOutcome, to_json_text
@@ -224,10 +225,7 @@ def run_trial(
         if result_path is not None and trial.trainer.is_world_process_zero():
             write_outcome(outcome, result_path)
         # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
-        import torch
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()
         return outcome
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -115,12 +115,13 @@ class SlowFirstSteps(TrainerCallback):
 
 
 class StepClock(TrainerCallback):
-    """An independent clock at each optimizer step's end."""
+    """An independent clock at each optimizer step's end: the boundary the ThroughputCallback marks (at
+    ``on_step_end`` the last step would also hold the callbacks' end-of-training summaries)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
 
 

@@ -102,6 +102,6 @@ def test_accelerate_launch_sweep_by_name(tmp_path):
     """The mission's command from a folder without recipes: `accelerate launch -m hfscale.sweep bert_large`."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1"]
     command += ["-m", "hfscale.sweep", "bert_large", "--dry-run"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"recipe bert_large: {len(load_recipe('bert_large').trials)} trials")

@@ -1,4 +1,5 @@
-"""The one gather across ranks: nothing to gather in one process, every rank's object in rank order in several."""
+"""The one gather across ranks: nothing to gather in one process, every rank's object in rank order in several; and
+the end of a run's process group, which no rank leaves before the main process has written its result."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from hfscale.core.collective import all_gather_object
+from hfscale.core.collective import all_gather_object, end_process_group
 
 TWO_RANKS = textwrap.dedent(
     """
@@ -47,3 +48,41 @@ def test_two_processes_gather_each_other_in_rank_order(tmp_path):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["gathered"] == [["rank", 0], ["rank", 1]]
         assert seen["told_one"] == [rank]  # the caller says one process: nothing is gathered
+
+
+# Rank 1 aborts at exit, as Gloo's teardown race makes a rank do; torch's spawn then ends rank 0 as a launcher
+# would. Rank 0 is slow to write its result (1 s): without the barrier, rank 1 aborted before it wrote.
+ABORTING_PEER = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from hfscale.core.collective import end_process_group
+
+    def rank_main(rank, folder):
+        dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
+        if rank == 0:
+            time.sleep(1.0)
+            with open(f"{folder}/result.json", "w") as fh:
+                fh.write("{}")
+        end_process_group()
+        if rank == 1:
+            os.abort()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+    """
+)
+
+
+def test_ending_the_group_without_one_does_nothing():
+    end_process_group()
+
+
+@pytest.mark.slow
+def test_no_rank_leaves_the_group_before_the_main_process_has_written(tmp_path):
+    script = tmp_path / "aborting_peer.py"
+    script.write_text(ABORTING_PEER)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "SIGABRT" in proc.stderr  # rank 1 did abort, and spawn said so
+    assert (tmp_path / "result.json").exists()

@@ -31,7 +31,7 @@ def test_the_hfscale_command_reads_a_recipe_without_importing_peft(tmp_path):
         [sys.executable, "-c", PROBE.format(recipe=str(recipe))],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=600,
         check=True,
         cwd=tmp_path,
     )

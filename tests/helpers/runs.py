@@ -109,7 +109,7 @@ TINY_SWEEP_RECIPE = {
     "model": {"type": "bert", "task": "classification", "config": dict(TINY_BERT)},
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
     "training_args": {"report_to": "none", "seed": 0},
-    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 120, "repeats": 1},
+    "measure": {"warmup_steps": 1, "max_steps": 4, "timeout_s": 600, "repeats": 1},  # a bound on hangs only
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "baseline": "fp32",
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},

@@ -18,6 +18,7 @@ from hfscale.core.units import GIB
 from hfscale.records.activity import GpuActivity, MachineActivity
 from hfscale.report.compare import regressions, significance
 from hfscale.report.text import as_plain
+from hfscale.results.run_folder import RunFolder
 from hfscale.strategy import Strategy
 
 BASE = Strategy(name="base")
@@ -328,10 +329,13 @@ def test_a_real_cpu_hog_during_a_sweep_flags_its_rows_and_no_speed_claim_is_made
         hog.kill()
         hog.wait()
     summary = report.summarize_run(run)
+    activity = {row.trial: row.activity for row in RunFolder(run).rows()}
     for trial in ("fp32", "bf16"):
         row = summary.trials.loc[trial]
         assert row["unstable"], trial
-        assert "other processes used" in row["unstable_reason"] and f"({hog.pid})" in row["unstable_reason"]
+        assert "other processes used" in row["unstable_reason"]
+        # The hog among the busiest others (the reason names three: the suite's other worker may outrank it).
+        assert any(f"({hog.pid})" in p for p in activity[trial].busy_processes), activity[trial].busy_processes
     assert summary.recommendation.fastest is None
 
 

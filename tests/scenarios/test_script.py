@@ -21,7 +21,7 @@ from hfscale import report
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # its module fixture: 11 trial runs, 351 s in CI
 
 SCRIPT = SCRIPTS / "hf_example.py"
 STRATEGIES = ["fp32", "bf16", "ckpt", "lora", "ddp-x2", "zero2-x2", "fsdp2-x2", "args-in-code"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from helpers.paths import GOLDEN, SCRIPTS
+from helpers.teardown import TEARDOWN_ABORT
 
 from hfscale.commands.config import main as config_main
 from hfscale.launch.process import free_port
@@ -27,10 +28,6 @@ from hfscale.techniques import fsdp_cpu
 
 SCRIPT = SCRIPTS / "user_script.py"
 FSDP_FLAG = "--fsdp2-on-cpu"
-TEARDOWN_ABORT = "terminate called without an active exception"
-"""Gloo's teardown race in torch 2.13 (pytorch/pytorch#179291, abandoned): at interpreter exit, after
-``destroy_process_group``, a rank can abort on a worker thread still holding tensors. Seen twice in 2-process FSDP2
-runs on CPU, once in a fresh-clone CI run (2026-11-27), never in 16 runs in a row on an idle machine."""
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,11 @@ trainer.train()
 with open(os.path.join(out, f"log_history_rank{args.process_index}.json"), "w") as fh:
     json.dump(trainer.state.log_history, fh, indent=2)
 
-# End the process group before the interpreter exits: its background threads otherwise race the teardown
-# ("terminate called without an active exception", seen once in 2-process FSDP2 runs on CPU).
+# End the process group before the interpreter exits, once every rank has written its file: its background threads
+# otherwise race the teardown ("terminate called without an active exception", seen in 2-process FSDP2 runs on CPU),
+# and a rank aborting at exit makes the launcher end the others.
 import torch.distributed as dist  # noqa: E402
 
 if dist.is_available() and dist.is_initialized():
+    dist.barrier()
     dist.destroy_process_group()

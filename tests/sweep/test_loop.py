@@ -216,7 +216,7 @@ def test_the_shared_sweeps_rows_are_typed_and_complete(tiny_sweep_run):
         assert len(row.loss_curve) == 4 and math.isfinite(row.final_loss)
         assert row.samples_per_s > 0 and row.peak_gib > 0 and row.predicted_gib > 0
         assert row.wall_time_s > row.train_runtime_s > 0
-        assert row.measured.world_size == 1 and row.launch.timeout_s == 120
+        assert row.measured.world_size == 1 and row.launch.timeout_s == TINY_SWEEP_RECIPE["measure"]["timeout_s"]
         assert (tiny_sweep_run / row.launch.trial_dir / "result.json").exists()
         assert "samples/s" in row.progress_line() and "(predicted " in row.progress_line()
     assert (rows["ckpt", 0].repeats, rows["ckpt", 1].repeat) == (2, 1)
@@ -423,7 +423,7 @@ def test_sighup_stops_the_sweep_like_sigterm_and_resume_applies_a_new_timeout(tm
         env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        pgid = _wait_for_trial(run, "long", 120)
+        pgid = _wait_for_trial(run, "long", 600)
         sweep.send_signal(signal.SIGHUP)  # the terminal closed
         _, err = sweep.communicate(timeout=60)
     finally:
@@ -437,7 +437,7 @@ def test_sighup_stops_the_sweep_like_sigterm_and_resume_applies_a_new_timeout(tm
     # Before: --resume kept the recorded 300 s and ignored --timeout-s.
     resumed = subprocess.run(
         [PY, "-m", "hfscale.sweep", "--resume", str(run), "--timeout-s", "3", "--no-report"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (row,) = read_results(run)

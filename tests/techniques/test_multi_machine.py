@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import import_config_writers
+from helpers.teardown import TEARDOWN_ABORT
 
 from hfscale.launch.machines import MACHINE_DIR, MachineLaunch, PeerTiming, launch_machines_here, machines_failure
 from hfscale.launch.plan import SweepSettings
@@ -70,6 +71,12 @@ def recipe_trial(strategy: Strategy) -> RecipeTrial:
     return RecipeTrial(spec=spec, run=RunSpec(env={"OMP_NUM_THREADS": "1"}))
 
 
+def ended_well(machine: MachineLaunch) -> bool:
+    """The machine's group exited cleanly, or failed only at Gloo's teardown race (:mod:`helpers.teardown`), after
+    the result that the caller checks was written."""
+    return machine.ok or (machine.launched is not None and TEARDOWN_ABORT in machine.launched.stderr_text)
+
+
 def launch_2x2(tmp_path: Path, strategy: Strategy) -> tuple[list[MachineLaunch], VerificationRecord, float]:
     """Both machines' launches, machine 0's verification record, and the wall time of the whole launch (s)."""
     start = time.monotonic()
@@ -78,7 +85,7 @@ def launch_2x2(tmp_path: Path, strategy: Strategy) -> tuple[list[MachineLaunch],
     )
     wall_s = time.monotonic() - start
     stderr = {m.machine_rank: m.launched.stderr_text[-3000:] for m in machines if m.launched is not None}
-    assert [m.ok for m in machines] == [True, True], stderr
+    assert all(ended_well(m) for m in machines), stderr
     measured = machines[0].launched.measured
     assert measured is not None, stderr
     # Only the main process (global rank 0, on machine 0) writes the result.
@@ -126,7 +133,7 @@ def test_ddp_on_two_machines(ddp_2x2):
     for m in machines:
         assert (m.files_dir.name, m.ended_after) == (MACHINE_DIR.format(rank=m.machine_rank), None)
     assert machines[0].launched.port == machines[1].launched.port
-    assert machines_failure(machines) is None
+    assert (machines_failure(machines) is None) == all(m.ok for m in machines)
     print(f"DDP 2x2 launch: {wall_s:.1f} s wall")
 
 
@@ -266,7 +273,9 @@ def fake_python(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_a_failed_machine_ends_the_others(tmp_path):
+def test_a_failed_machine_ends_the_others(tmp_path, monkeypatch):
+    # Its own device locks: the clock must not count a trial of the suite's other worker holding the CPU.
+    monkeypatch.setenv("HFSCALE_LOCK_DIR", str(tmp_path / "locks"))
     import_config_writers()
     start = time.monotonic()
     machines = launch_machines_here(
@@ -290,14 +299,15 @@ def test_a_failed_machine_ends_the_others(tmp_path):
     assert failure.reason == "machine 1: exit code 3 (see stderr.log); machine 0 was ended after it"
 
 
-def test_a_machine_not_started_after_a_failure(tmp_path):
+def test_a_machine_not_started_after_a_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSCALE_LOCK_DIR", str(tmp_path / "locks"))
     machines = launch_machines_here(
         recipe_trial(two_by_two("ddp")),
         tmp_path / "configs",
         tmp_path / "files",
         settings=SweepSettings(),
         python=fake_python(tmp_path),
-        timing=PeerTiming(peer_grace_s=0.0, start_delay_s={0: 60.0}),
+        timing=PeerTiming(peer_grace_s=0.0, start_delay_s={0: 600.0}),  # ends as soon as machine 1 fails
     )
     assert machines[0].launched is None and not machines[0].ok
     assert machines[1].launched.outcome.returncode == 3
