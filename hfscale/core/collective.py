@@ -1,7 +1,8 @@
 """One gather across the ranks of a training run, so every reader gathers alike (and one process gathers nothing),
 and one way to take the process group down at the end of a run.
 
-torch is imported when a gather is asked for, not when this module is: the floors above import it at their top.
+torch is imported when a gather or the end is asked for, not when this module is: the floors above import it at their
+top.
 """
 
 from __future__ import annotations

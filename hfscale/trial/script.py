@@ -232,9 +232,11 @@ class ScriptHook:
         self.timer.lap("train_call")
         assert self.built is not None and self.built.trainer is trainer, "train() of a Trainer hfscale did not build"
         self.outcome = trial_outcome(self.spec, self.built, output, self.arguments, self.timer)
-        if self.result_path is not None and trainer.is_world_process_zero():
-            write_outcome(self.outcome, self.result_path)
-        end_process_group()
+        try:
+            if self.result_path is not None and trainer.is_world_process_zero():
+                write_outcome(self.outcome, self.result_path)
+        finally:  # a failed write still frees the other ranks, rather than leaving them in the barrier
+            end_process_group()
 
 
 def _run_script(path: str, args: tuple[str, ...]) -> None:
@@ -285,8 +287,11 @@ def _run_until_trained(hook: ScriptHook, spec: TrialSpec, result_path: str | os.
     except _TrainingDone:
         assert hook.outcome is not None
         return hook.outcome
-    except _Conflict as conflict:
-        return _conflict_outcome(spec, conflict.conflicts, result_path)
+    except _Conflict as conflict:  # raised on every rank alike, in the Trainer's construction, before a collective
+        try:
+            return _conflict_outcome(spec, conflict.conflicts, result_path)
+        finally:
+            end_process_group()  # the script's TrainingArguments may have started the group
     except SystemExit as exc:
         raise ScriptDidNotTrainError(f"{_said(spec)} exited (status {exc.code}) {_how_far(hook)}") from None
     raise ScriptDidNotTrainError(f"{_said(spec)} returned {_how_far(hook)}")

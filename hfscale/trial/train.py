@@ -222,10 +222,13 @@ def run_trial(
         trial = _build_trial(spec, kwargs, scratch, timer)
         output = _train(trial, timer)
         outcome = trial_outcome(spec, trial, output, kwargs, timer)
-        if result_path is not None and trial.trainer.is_world_process_zero():
-            write_outcome(outcome, result_path)
-        # Only after a clean run: after an error the other ranks may never arrive, and exiting ends the group.
-        end_process_group()
+        try:
+            if result_path is not None and trial.trainer.is_world_process_zero():
+                write_outcome(outcome, result_path)
+        finally:
+            # Only after a clean run: after an error in training the other ranks may never arrive, and exiting ends
+            # the group. A failed write still frees the other ranks, rather than leaving them in the barrier.
+            end_process_group()
         return outcome
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

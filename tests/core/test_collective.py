@@ -51,23 +51,30 @@ def test_two_processes_gather_each_other_in_rank_order(tmp_path):
 
 
 # Rank 1 aborts at exit, as Gloo's teardown race makes a rank do; torch's spawn then ends rank 0 as a launcher
-# would. Rank 0 is slow to write its result (1 s): without the barrier, rank 1 aborted before it wrote.
+# would. Rank 0 looks for 5 s for rank 1 leaving before it writes its result; if rank 1 left (no barrier), rank 0 is
+# ended before it writes. Core dumps off: an aborting torch process would write one into the working folder.
 ABORTING_PEER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, resource, sys, time
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from hfscale.core.collective import end_process_group
 
     def rank_main(rank, folder):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
-        if rank == 0:
-            time.sleep(1.0)
-            with open(f"{folder}/result.json", "w") as fh:
-                fh.write("{}")
-        end_process_group()
         if rank == 1:
+            end_process_group()
+            open(f"{folder}/leaving", "w").close()
             os.abort()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if os.path.exists(f"{folder}/leaving"):
+                time.sleep(60)  # ended by spawn meanwhile: the result is never written
+            time.sleep(0.05)
+        with open(f"{folder}/result.json", "w") as fh:
+            fh.write("{}")
+        end_process_group()
 
     if __name__ == "__main__":
         mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
@@ -83,6 +90,8 @@ def test_ending_the_group_without_one_does_nothing():
 def test_no_rank_leaves_the_group_before_the_main_process_has_written(tmp_path):
     script = tmp_path / "aborting_peer.py"
     script.write_text(ABORTING_PEER)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert proc.returncode != 0 and "SIGABRT" in proc.stderr  # rank 1 did abort, and spawn said so
-    assert (tmp_path / "result.json").exists()
+    assert (tmp_path / "leaving").exists() and (tmp_path / "result.json").exists(), proc.stderr[-2000:]

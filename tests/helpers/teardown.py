@@ -13,6 +13,6 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def exited_or_aborted_at_teardown(returncode: int, stderr: str) -> bool:
-    """Whether a run exited cleanly, or failed only where a rank aborts at :data:`TEARDOWN_ABORT`. The caller checks
-    the run's own record (its result, its log files) as the evidence either way."""
+    """Whether a run exited cleanly, or a rank aborted with :data:`TEARDOWN_ABORT` (the message is in stderr). The
+    caller checks the run's own record (its result, its log files) as the evidence either way."""
     return returncode == 0 or TEARDOWN_ABORT in stderr
