@@ -40,10 +40,12 @@ _SIGNAL_PATTERNS: tuple[re.Pattern[str], ...] = (
 # A Python exception line is not indented (traceback source lines are); a bare name (`MemoryError`) counts too.
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:\s.*|:?\s*$)")
 # Fatal messages of native code that ends the process without a Python exception.
-_NATIVE_FATAL = re.compile(r"^\s*(OpenBLAS error: .*|terminate called after throwing .*|what\(\):\s.*)")
+_NATIVE_FATAL = re.compile(r"^\s*(OpenBLAS error: .*|terminate called .*|what\(\):\s.*)")
 _LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "torch.distributed.elastic")
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")
-_ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?\brank\s*:\s*(\d+)", re.DOTALL)
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+"""torchrun's failure table names the rank that failed first after this line, and the ranks it then ended before it."""
+_ROOT_CAUSE_RANK = re.compile(re.escape(_ROOT_CAUSE) + r".*?\brank\s*:\s*(\d+)", re.DOTALL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,14 +206,7 @@ def classify(
         limit = f" (memory limit {memory_limit_bytes / GIB:g} GiB per process)" if memory_limit_bytes else ""
         who = f" on rank {final.rank}" if final.rank is not None else ""
         return Classification(status="oom", reason=f"{what}{who}{limit}: {final.line}")
-    signal_name = outcome.signal_name
-    if signal_name is None:
-        for pattern in _SIGNAL_PATTERNS:
-            match = pattern.search(stderr_tail)
-            if match:
-                value = match.group(1)
-                signal_name = value if value.startswith("SIG") else _signal_name(int(value))
-                break
+    signal_name = outcome.signal_name or _trial_signal(stderr_tail)
     if signal_name == "SIGKILL" and oom_kills_before is not None:
         after = oom_killed_count()
         if after is not None and after > oom_kills_before:
@@ -222,6 +217,18 @@ def classify(
         return Classification(status="crashed", reason=f"{who} was killed by {signal_name}{detail}")
     detail = f": {error_line}" if error_line else " (see stderr.log)"
     return Classification(status="crashed", reason=f"exit code {outcome.returncode}{detail}")
+
+
+def _trial_signal(stderr_tail: str) -> str | None:
+    """The signal that ended a process of the trial, as the launchers print it: the root cause's in torchrun's table
+    (the others it lists were ended by torchrun itself, with SIGTERM), else the first one printed."""
+    _, marked, root_cause = stderr_tail.rpartition(_ROOT_CAUSE)
+    for text in (root_cause, stderr_tail) if marked else (stderr_tail,):
+        for pattern in _SIGNAL_PATTERNS:
+            if match := pattern.search(text):
+                value = match.group(1)
+                return value if value.startswith("SIG") else _signal_name(int(value))
+    return None
 
 
 def _signal_name(number: int) -> str:

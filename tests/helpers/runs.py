@@ -36,12 +36,6 @@ def one_thread() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def import_config_writers() -> None:
-    """Import what writing a trial's configs imports (transformers' ``TrainingArguments``: about 10 CPU-seconds, over a
-    minute on a loaded CI host) before a test starts its clock, so that the clock measures what the test names."""
-    from transformers import TrainingArguments  # noqa: F401
-
-
 def session_root(tmp_path_factory) -> Path:
     """A folder every process of this test session shares: pytest-xdist's workers each get a base temp folder
     under the session's own (``.../pytest-N/popen-gwK``); a run without xdist has only its own."""

@@ -201,3 +201,45 @@ def test_a_multi_line_message_ends_where_its_rank_stops_printing():
 
     rank0 = [line for rank, line in _fatal_lines(text) if rank == 0]
     assert rank0 == ["ImportError: Original error was: failed to map segment from shared object"]
+
+
+# What the accelerate launcher printed in a CI run (2026-11-27, 2-process FSDP2 on CPU, abridged): rank 1 aborted at
+# exit; torchrun then sent SIGTERM to rank 0, whose row comes first in its table, before the root cause.
+TEARDOWN_ABORT_STDERR = """\
+terminate called without an active exception
+W1127 14:43:51.162000 20450 api.py:1028] Sending process 20453 closing signal SIGTERM
+E1127 14:43:51.277000 20450 api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 20454)
+Traceback (most recent call last):
+  File "/venv/bin/accelerate", line 6, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n\
+=======================================================
+/work/user_script.py FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-27_14:43:51
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 20453)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 20453
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_14:43:51
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 20454)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 20454
+=======================================================
+"""
+
+
+def test_the_root_causes_signal_and_a_native_abort_are_named_not_the_sigterm_sent_to_the_others():
+    verdict = classify(EXIT_1, TEARDOWN_ABORT_STDERR)
+    assert verdict.status == "crashed"
+    assert verdict.reason == (
+        "a process of the trial was killed by SIGABRT; last error: terminate called without an active exception"
+    )

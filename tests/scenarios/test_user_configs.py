@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from helpers.paths import GOLDEN, SCRIPTS
-from helpers.teardown import TEARDOWN_ABORT
+from helpers.teardown import exited_or_aborted_at_teardown
 
 from hfscale.commands.config import main as config_main
 from hfscale.launch.process import free_port
@@ -134,13 +134,6 @@ def run_printed(printed: Printed, cfg: Path, out: Path) -> subprocess.CompletedP
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
 
 
-def aborted_at_teardown(proc: subprocess.CompletedProcess, out: Path, ranks: int) -> bool:
-    """Whether a rank aborted with :data:`TEARDOWN_ABORT` (the message is in stderr) after every rank had written its
-    records (the script ends its group behind a barrier, after writing): the evidence from inside the run stands, as
-    a sweep keeps a result written before its group failed to exit (``LaunchRecord.after_result``)."""
-    return TEARDOWN_ABORT in proc.stderr and len(list(out.glob("log_history_rank*.json"))) == ranks
-
-
 def verify_records(out: Path) -> list[dict[str, Any]]:
     records = []
     for path in sorted(out.glob("log_history_rank*.json")):
@@ -174,10 +167,11 @@ def test_printed_config_runs_as_asked_in_a_user_script(
     case = CASES[name]
     cfg, out = tmp_path / "cfg", tmp_path / "out"
     printed = write_configs(case.argv, cfg, capsys)
-    strategy = json.loads((cfg / "strategy.json").read_text())
     proc = run_printed(printed, cfg, out)
-    assert proc.returncode == 0 or aborted_at_teardown(proc, out, strategy["num_processes"]), proc.stderr[-4000:]
+    # Every rank's records, checked below, are the evidence (the script writes them before its group ends).
+    assert exited_or_aborted_at_teardown(proc.returncode, proc.stderr), proc.stderr[-4000:]
     records = verify_records(out)
+    strategy = json.loads((cfg / "strategy.json").read_text())
     assert len(records) == strategy["num_processes"]
     for record in records:
         assert record["ok"] == 1, record.get("reason")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.runs import import_config_writers
 
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SweepError, SweepSettings
@@ -32,6 +31,7 @@ from hfscale.sweep.channel import SILENT_AFTER_S, Coordinator, Follower
 from hfscale.sweep.machines import machine_ranks, merge_machine_reports
 from hfscale.sweep.messages import MachineReport, StartDecision, SweepPlan
 from hfscale.sweep.slurm import PORT_BASE, PORT_BLOCK, PORT_JOBS, SlurmJob
+from hfscale.trial.train import import_training_stack
 
 TINY = {
     "vocab_size": 1000,
@@ -182,7 +182,7 @@ def test_a_machine_that_never_comes_is_a_timeout_row_naming_it(tmp_path: Path) -
 
     port = _free_port_block(40000, 50000, 1)
     launch = LaunchInfo(machine_rank=0, num_machines=2, master_addr="127.0.0.1", master_port=port)
-    import_config_writers()
+    import_training_stack()  # before the clock: a first import of transformers took 67 s on a loaded CI host
     start = time.monotonic()
     outcome = run_sweep(
         _recipe(tmp_path / "two.yaml"),
