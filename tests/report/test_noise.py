@@ -66,6 +66,42 @@ def test_memory_breaks_a_speed_tie_only_where_it_differs() -> None:
     assert "slow needs as little within 2%, and of those plain's point estimate is the highest" in lines[1]
 
 
+def _spread_runs(name: str, mean_s: float, *, seed: int, peak: float, **kw) -> list:
+    """Three runs of ``name`` whose mean step times are 6% either side of ``mean_s``, in no trend."""
+    means = (mean_s * 0.94, mean_s * 1.06, mean_s)
+    strategy = Strategy(name=name)
+    return [
+        with_steps(
+            ok_row(name, strategy, 8 / m, peak, **kw), noisy_steps(m, 40, seed=seed + 10 * k), repeat=k, repeats=3
+        )
+        for k, m in enumerate(means)
+    ]
+
+
+def test_memory_never_picks_a_trial_no_faster_than_one_the_leader_beats() -> None:
+    """Ties are not transitive, and a comparison with the baseline (Dunnett) is narrower than one between two other
+    trials (all pairs). twin runs as fast as the baseline and needs less memory; fast is shown faster than the
+    baseline, yet its all-pairs interval against twin holds 1. 0.4.0.dev0 recommended twin by memory, as its
+    three-run cpu_techniques grid recommended ddp-x2 (1.00x the baseline) over lora-maxbatch (1.30x, 1.01-1.69)."""
+    rows = [
+        *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
+        *_spread_runs("fast", 0.1 / 1.17, seed=2, peak=5.0),
+        *_spread_runs("twin", 0.1005, seed=3, peak=3.0),
+        *_spread_runs("c", 0.11, seed=4, peak=4.0),
+        *_spread_runs("d", 0.12, seed=5, peak=4.0),
+    ]
+    summary = report.summarize(rows)
+    frame = summary.trials
+    assert frame.loc["fast", "verdict"] == "faster" and frame.loc["twin", "verdict"] == "tie"
+    assert frame.loc["twin", "samples_per_s"] < frame.loc["base", "samples_per_s"]
+    assert summary.recommendation.fastest == "fast" and "twin" not in summary.recommendation.fastest_ties
+    text = " ".join(as_plain(line) for line in summary.recommendation.lines)
+    assert (
+        "twin is not counted as tying for the fastest, although no interval tells it from fast: it is no faster by "
+        "its figure than base, which fast is shown faster than." in text
+    )
+
+
 def test_memory_within_2_percent_does_not_chain_and_a_missing_figure_breaks_nothing() -> None:
     """0.549, 0.560 and 0.571 GiB: each within 2% of the next, the ends 3.9% apart, so they do not need the same
     memory and the least (its point estimate the highest of those within 2% of it) is recommended. A tied trial
