@@ -2,9 +2,10 @@
 speed-up against the baseline.
 
 "Fits" uses what the device really had to hold (``fit_gib``: NVML's process memory, else the allocator's reserved
-peak, else the peak; the table says which). Going up in memory, a trial takes over only when it is faster than the
-one before it *beyond the noise*: a trial that ties on speed with one that needs less memory never buys anything,
-so the tie is broken by memory. Trials whose loss was flagged or whose speed may be unstable are left out.
+peak, else the peak; the table says which). At each budget the answer is what the recommendation would name at that
+budget: a trial that ties on speed with one that needs less memory never buys anything, so the tie is broken by
+memory, and a trial no faster by its figure than one the fastest is shown faster than does not tie
+(:mod:`hfscale.report.fastest`). Trials whose loss was flagged or whose speed may be unstable are left out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hfscale.report.columns import Column, fmt, interval_cell, speedup_cell
+from hfscale.report.fastest import FastestPick, pick_fastest
 from hfscale.report.noise import speed_tie
 from hfscale.results.stats import SweepNoise
 
@@ -20,34 +22,47 @@ if TYPE_CHECKING:
 
 
 def budget_rows(frame: pd.DataFrame, evidence: SweepNoise) -> list[dict[str, Any]]:
-    """One record per budget step, smallest budget first (empty when no trial qualifies)."""
+    """One record per budget step, smallest budget first (empty when no trial qualifies): at each trial's memory
+    figure, the fastest of the trials that fit by the recommendation's own rule
+    (:func:`~hfscale.report.fastest.pick_fastest`), recorded where it changes."""
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["fit_gib"].notna()]
     ok = ok[~ok["parity_flagged"].fillna(False).astype(bool)]
     if "unstable" in ok:
         ok = ok[~ok["unstable"].fillna(False).astype(bool)]
-    rows: list[dict[str, Any]] = []
-    best: Any = None
-    for _, row in ok.sort_values(["fit_gib", "samples_per_s"], ascending=[True, False], kind="stable").iterrows():
-        if best is not None:
-            if row["samples_per_s"] <= best["samples_per_s"]:
-                continue
-            if speed_tie(row, best, evidence)[0]:
-                continue
-        note = ""
-        if best is not None:
-            _, tested = speed_tie(row, best, evidence)
-            gain = 100 * (row["samples_per_s"] / best["samples_per_s"] - 1)
-            note = f"{gain:.1f}% faster than {best['trial']}" + ("" if tested else " (untested)")
-        same = [
-            str(other["trial"])
-            for _, other in ok[ok["fit_gib"] <= row["fit_gib"]].iterrows()
-            if other["trial"] != row["trial"] and speed_tie(row, other, evidence)[0]
-        ]
-        if same:
-            note = "; ".join(filter(None, [note, f"ties on speed with {', '.join(same)}"]))
-        rows.append({**row.to_dict(), "budget_gib": row["fit_gib"], "budget_note": note})
-        best = row
+    by_speed = ok.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
+    steps: list[tuple[float, FastestPick]] = []
+    for budget in sorted(set(ok["fit_gib"])):
+        pick = pick_fastest(by_speed[by_speed["fit_gib"] <= budget], evidence, by_speed)
+        if steps and fmt(steps[-1][0], 3) == fmt(budget, 3):
+            steps.pop()  # two budgets the table prints alike: the answer at the larger one
+        if not steps or steps[-1][1].chosen["trial"] != pick.chosen["trial"]:
+            steps.append((budget, pick))
+    rows = []
+    for k, (budget, pick) in enumerate(steps):
+        before = steps[k - 1][1].chosen if k else None
+        rows.append({**pick.chosen.to_dict(), "budget_gib": budget, "budget_note": _note(pick, before, evidence)})
     return rows
+
+
+def _note(pick: FastestPick, before: Any, evidence: SweepNoise) -> str:
+    """Against the row above: how much faster, and which trials that fit tie with it."""
+    chosen = pick.chosen
+    parts = []
+    same = [str(other["trial"]) for other in pick.tied if other["trial"] != chosen["trial"]]
+    if before is not None:
+        _, tested = speed_tie(chosen, before, evidence)
+        gain = 100 * (chosen["samples_per_s"] / before["samples_per_s"] - 1)
+        if before["trial"] in same and any(r["trial"] == before["trial"] for r in pick.least):
+            parts.append(
+                f"ties on speed with {before['trial']} and needs as little memory within 2%; its figure is "
+                f"{gain:.1f}% higher"
+            )
+            same.remove(str(before["trial"]))
+        else:
+            parts.append(f"{gain:.1f}% faster than {before['trial']}" + ("" if tested else " (untested)"))
+    if same:
+        parts.append(f"ties on speed with {', '.join(same)}")
+    return "; ".join(parts)
 
 
 BUDGET_COLUMNS = [
@@ -63,9 +78,11 @@ BUDGET_COLUMNS = [
 BUDGET_NOTE = (
     "Read a row as: with at least this much memory per device, this is the fastest trial that fits, until the next "
     "row. The memory counted is what the device had to hold: NVML's process memory (CUDA context included) where "
-    "it was read, else the allocator's reserved peak, else the peak (CPU: resident set). A trial needing more memory "
-    "takes over only when it is faster beyond the noise; a tie is broken by memory (the smaller one stays). Trials "
-    "with a flagged loss or a speed that may be unstable are left out."
+    "it was read, else the allocator's reserved peak, else the peak (CPU: resident set). Each row is what the "
+    "recommendation would name at that budget: a trial needing more memory takes over only when it is faster beyond "
+    "the noise, a speed tie is broken by memory (the smaller one stays), and a trial no faster by its figure than one "
+    "the fastest is shown faster than does not tie. Trials with a flagged loss or a speed that may be unstable are "
+    "left out."
 )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from hfscale.core.units import GIB
 from hfscale.report.columns import is_missing
+from hfscale.report.fastest import FastestPick, pick_fastest
 from hfscale.report.machine import format_bytes
 from hfscale.report.noise import memory_tie, speed_tie
 from hfscale.report.text import Text, rich
@@ -114,64 +115,38 @@ def _leader_lines(pool: pd.DataFrame, evidence: SweepNoise, head: str, tail: str
     return lines
 
 
-def _ties_with_leader(
-    pool: pd.DataFrame, evidence: SweepNoise
-) -> tuple[list[pd.Series], bool, list[tuple[pd.Series, pd.Series]]]:
-    """The trials of ``pool`` (fastest first) that tie with its leader on speed, the leader first; whether every
-    tie was tested with an interval; and the trials left out of the tie, each with the trial that puts it out.
-
-    Ties are not transitive, and the family of a comparison sets its width: against the baseline it is Dunnett's,
-    between two other trials the wider all-pairs family. So a trial can "tie" with the leader while the leader is
-    shown faster than a trial it measured no slower than (0.4.0.dev0's three-run cpu_techniques grid recommended
-    ddp-x2 at 1.00x the baseline over lora-maxbatch, the only trial shown faster than the baseline, by memory). A
-    trial whose figure is no higher than that of a trial the leader is shown faster than is not taken as tying for
-    the fastest: the evidence puts it among the beaten, and memory must not break a tie the evidence does not
-    support."""
-    leader = pool.iloc[0]
-    said = [(other, *speed_tie(leader, other, evidence)) for _, other in pool.iloc[1:].iterrows()]
-    beaten = [other for other, tie, with_interval in said if not tie and with_interval]
-    fastest_beaten = max(beaten, key=lambda r: r["samples_per_s"], default=None)
-    tied, tested, below = [leader], True, []
-    for other, tie, with_interval in said:
-        if not tie:
-            continue
-        if fastest_beaten is not None and other["samples_per_s"] <= fastest_beaten["samples_per_s"]:
-            below.append((other, fastest_beaten))
-            continue
-        tied.append(other)
-        tested = tested and with_interval
-    return tied, tested, below
-
-
-def _below_lines(leader: pd.Series, below: list[tuple[pd.Series, pd.Series]]) -> list[Text]:
+def _left_out_of_tie_lines(pick: FastestPick) -> list[Text]:
     """Why the trials whose interval holds the leader's speed are not named as tying with it."""
-    if not below:
+    if not pick.left_out or pick.beaten is None:
         return []
-    marks, values = _names([str(other["trial"]) for other, _ in below])
+    marks, values = _names([str(other["trial"]) for other in pick.left_out])
+    one = len(pick.left_out) == 1
     return [
         rich(
             marks + " {verb} not counted as tying for the fastest, although no interval tells {them} from **{name}**: "
-            "{what} no faster by its figure than {beaten}, which **{name}** is shown faster than.",
+            "{what} no faster by its figure than **{beaten}**, which **{name}** is shown faster than.",
             **values,
-            verb="is" if len(below) == 1 else "are",
-            them="it" if len(below) == 1 else "them",
-            what="it is" if len(below) == 1 else "each is",
-            name=leader["trial"],
-            beaten=below[0][1]["trial"],
+            verb="is" if one else "are",
+            them="it" if one else "them",
+            what="it is" if one else "each is",
+            name=pick.leader["trial"],
+            beaten=pick.beaten["trial"],
         )
     ]
 
 
 def _fastest_lines(
-    pool: pd.DataFrame, evidence: SweepNoise, head: str
+    pool: pd.DataFrame, evidence: SweepNoise, head: str, compared: pd.DataFrame
 ) -> tuple[pd.Series, list[Text], tuple[str, ...]]:
-    """The fastest of ``pool`` (sorted fastest first, not empty), its ties named and broken by memory."""
-    leader = pool.iloc[0]
-    tied, tested, below = _ties_with_leader(pool, evidence)
+    """The fastest of ``pool`` (sorted fastest first, not empty), its ties named and broken by memory
+    (:func:`~hfscale.report.fastest.pick_fastest`, ``compared`` the trials a left-out tie is measured against)."""
+    pick = pick_fastest(pool, evidence, compared)
+    leader, tied, tested = pick.leader, pick.tied, pick.tested
+    left_out = _left_out_of_tie_lines(pick)
     vs = leader.get("speedup_vs_baseline")
     tail = "" if vs is None or vs != vs else f", {_f(vs, 2)}x the baseline"
     if len(tied) == 1:
-        return leader, _leader_lines(pool, evidence, head, tail) + _below_lines(leader, below), ()
+        return leader, _leader_lines(pool, evidence, head, tail) + left_out, ()
     names = [str(r["trial"]) for r in tied]
     marks, values = _names(names)
     speeds = ", ".join(f"{r['trial']} {_f(r['samples_per_s'], 2)}" for r in tied)
@@ -181,13 +156,8 @@ def _fastest_lines(
         else "they are within the 2% noise threshold of each other, and no interval could rank them (fewer than "
         "two runs of each, or a trial that may be unstable)"
     )
-    by_memory = sorted(tied, key=lambda r: r["fit_gib"])
-    # Memory breaks the tie only where it differs: of the trials within 2% of the least memory, the faster point
-    # estimate (a sub-MiB difference in resident memory must not pick a trial 35% slower by its figure). A trial
-    # without a memory figure ties with nothing; with no figure at all the leader stays.
-    least = [r for r in by_memory if memory_tie(by_memory[0], r)] or [leader]
-    best = max(least, key=lambda r: r["samples_per_s"])
-    by_memory = [best, *(r for r in by_memory if r["trial"] != best["trial"])]
+    least, best = pick.least, pick.chosen
+    by_memory = [best, *(r for r in sorted(tied, key=lambda r: r["fit_gib"]) if r["trial"] != best["trial"])]
     same_memory = len(least) == len(tied)
     line = [rich(head + " " + marks + " tie on speed (samples/s: {speeds}; {why}).", **values, speeds=speeds, why=why)]
     if same_memory:
@@ -199,7 +169,7 @@ def _fastest_lines(
                 name=leader["trial"],
             )
         )
-        return leader, line + _below_lines(leader, below), tuple(n for n in names if n != leader["trial"])
+        return leader, line + left_out, tuple(n for n in names if n != leader["trial"])
     alike = [str(r["trial"]) for r in least if r["trial"] != best["trial"]]
     line.append(
         rich(
@@ -218,7 +188,7 @@ def _fastest_lines(
             s="" if len(alike) > 1 else "s",
         )
     )
-    return best, line + _below_lines(leader, below), tuple(n for n in names if n != best["trial"])
+    return best, line + left_out, tuple(n for n in names if n != best["trial"])
 
 
 def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Series, list[Text]]:
@@ -373,11 +343,12 @@ def _speed_lines(
             evidence,
             "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
             "fastest trial overall is",
+            by_speed,
         )
     fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
     where = _where(budget, source)
     if not fitting.empty:
-        return _fastest_lines(fitting, evidence, f"Fastest {where}:")
+        return _fastest_lines(fitting, evidence, f"Fastest {where}:", by_speed)
     smallest = candidates.sort_values("fit_gib").iloc[0]
     line = rich(
         "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",

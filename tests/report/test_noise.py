@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pandas as pd
@@ -16,6 +17,7 @@ from hfscale import report
 from hfscale.commands import report as report_command
 from hfscale.core.units import GIB
 from hfscale.records.activity import GpuActivity, MachineActivity
+from hfscale.report.budget import budget_rows
 from hfscale.report.compare import regressions, significance
 from hfscale.report.text import as_plain
 from hfscale.results.run_folder import RunFolder
@@ -100,6 +102,53 @@ def test_memory_never_picks_a_trial_no_faster_than_one_the_leader_beats() -> Non
         "twin is not counted as tying for the fastest, although no interval tells it from fast: it is no faster by "
         "its figure than base, which fast is shown faster than." in text
     )
+    # The evidence holds whether or not the beaten trial fits the budget: the baseline too large for it.
+    large_base = [*_spread_runs("base", 0.1, seed=1, peak=6.0, is_baseline=True), *rows[3:]]
+    within = report.summarize(large_base, memory_budget_bytes=int(5.5 * GIB)).recommendation
+    assert within.fastest == "fast" and "twin" not in within.fastest_ties
+
+
+def test_the_budget_table_names_at_each_budget_what_the_recommendation_names_there() -> None:
+    """The same rule at every budget: the twin scenario above (0.4.0.dev0's table named twin at every budget, from
+    its memory up, while fast is shown faster than the baseline twin measured no faster than), then random sweeps
+    of five trials with unequal noise, budget by budget."""
+    rows = [
+        *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
+        *_spread_runs("fast", 0.1 / 1.17, seed=2, peak=5.0),
+        *_spread_runs("twin", 0.1005, seed=3, peak=3.0),
+        *_spread_runs("c", 0.11, seed=4, peak=4.0),
+        *_spread_runs("d", 0.12, seed=5, peak=4.0),
+    ]
+    assert _budget_table_agrees_with_the_recommendation(rows) == ["twin", "fast"]
+    rng = random.Random(7)
+    for sweep in range(6):
+        rows = []
+        for k in range(5):
+            name, mean_s = f"t{k}", 0.1 * rng.uniform(0.8, 1.25)
+            spread, peak = rng.choice((0.01, 0.06, 0.12)), rng.uniform(1.0, 6.0)
+            means = (mean_s * (1 - spread), mean_s * (1 + spread), mean_s)
+            strategy = Strategy(name=name)
+            rows += [
+                with_steps(
+                    ok_row(name, strategy, 8 / m, peak, is_baseline=k == 0),
+                    noisy_steps(m, 40, seed=100 * sweep + 10 * k + j),
+                    repeat=j,
+                    repeats=3,
+                )
+                for j, m in enumerate(means)
+            ]
+        _budget_table_agrees_with_the_recommendation(rows)
+
+
+def _budget_table_agrees_with_the_recommendation(rows: list) -> list[str]:
+    """The budget table's trials, each checked against the recommendation at its budget (which names none where
+    the fastest that fits may be unstable)."""
+    summary = report.summarize(rows)
+    table = budget_rows(summary.trials, summary.speed)
+    for row in table:
+        named = report.summarize(rows, memory_budget_bytes=int(row["budget_gib"] * GIB) + 1).recommendation.fastest
+        assert named in (None, row["trial"]), (row["budget_gib"], [r["trial"] for r in table])
+    return [row["trial"] for row in table]
 
 
 def test_memory_within_2_percent_does_not_chain_and_a_missing_figure_breaks_nothing() -> None:
