@@ -62,10 +62,24 @@ def _budget_phrase(summary: Summary, row: pd.Series) -> str:
     return f"needs {fit} of the {format_bytes(rec.budget_bytes)} budget ({rec.budget_source})"
 
 
+def _ties_phrase(summary: Summary, row: pd.Series) -> str:
+    """The trials tied with the recommended one, each with its figure over the recommended one's: a tie within the
+    noise can span trials far apart by their figures, and the first screen says how far."""
+    ties = summary.recommendation.fastest_ties
+    if not ties:
+        return ""
+    ratios = [summary.trials.loc[name, "samples_per_s"] / row["samples_per_s"] for name in ties]
+    named = [
+        f"{name} ({ratio:.2f}x" + (" its samples/s)" if k == 0 else ")")
+        for k, (name, ratio) in enumerate(zip(ties, ratios, strict=True))
+    ]
+    return f"; it ties on speed, within the noise, with {', '.join(named)}"
+
+
 def _recommended(summary: Summary) -> Text:
     rec = summary.recommendation
     row = summary.trials.loc[rec.fastest]
-    ties = f"; it ties on speed with {', '.join(rec.fastest_ties)}" if rec.fastest_ties else ""
+    ties = _ties_phrase(summary, row)
     sentence = rich(
         "Use **{name}** ({desc}): {speedup}, and it {budget}{ties}.",
         name=rec.fastest,

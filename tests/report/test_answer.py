@@ -87,3 +87,19 @@ def test_first_screen_order_slim_table_badges_and_folded_definitions(written: re
     definitions = page.split('<section id="definitions">', 1)[1].split("</section>", 1)[0]
     assert "<details><summary>what each column of the trials tables means</summary>" in definitions
     assert definitions.count("<li>") >= 10
+
+
+def test_a_tie_on_the_first_screen_says_how_far_apart_the_figures_are() -> None:
+    """A tie broken by memory can name a trial whose figure is well below another's: the first screen gives each
+    tied trial's figure over the recommended one's (a three-run cpu_techniques search named sdpa, tied with
+    sdpa-maxbatch at 1.44x its samples/s, and said only "ties")."""
+    rows = [
+        *runs_of("base", 0.10, seed=1, peak=0.700, drift=0.4, is_baseline=True),
+        *runs_of("lean", 0.13, seed=2, peak=0.500, drift=0.4),
+    ]
+    summary = report.summarize(rows)
+    assert summary.recommendation.fastest == "lean" and summary.recommendation.fastest_ties == ("base",)
+    ratio = summary.trials.loc["base", "samples_per_s"] / summary.trials.loc["lean", "samples_per_s"]
+    assert ratio > 1.2
+    text = as_plain(answer(summary))
+    assert f"it ties on speed, within the noise, with base ({ratio:.2f}x its samples/s)" in text, text
