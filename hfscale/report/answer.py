@@ -69,11 +69,10 @@ def _ties_phrase(summary: Summary, row: pd.Series) -> str:
     if not ties:
         return ""
     ratios = [summary.trials.loc[name, "samples_per_s"] / row["samples_per_s"] for name in ties]
-    named = [
-        f"{name} ({ratio:.2f}x" + (" its samples/s)" if k == 0 else ")")
-        for k, (name, ratio) in enumerate(zip(ties, ratios, strict=True))
-    ]
-    return f"; it ties on speed, within the noise, with {', '.join(named)}"
+    named = [f"{name} ({ratio:.2f}x)" for name, ratio in zip(ties, ratios, strict=True)]
+    named[0] = f"{ties[0]} ({ratios[0]:.2f}x {summary.recommendation.fastest}'s samples/s)"
+    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
+    return f"; it ties on speed with {listed}"
 
 
 def _recommended(summary: Summary) -> Text:

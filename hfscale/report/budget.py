@@ -2,10 +2,11 @@
 speed-up against the baseline.
 
 "Fits" uses what the device really had to hold (``fit_gib``: NVML's process memory, else the allocator's reserved
-peak, else the peak; the table says which). At each budget the answer is what the recommendation would name at that
-budget: a trial that ties on speed with one that needs less memory never buys anything, so the tie is broken by
-memory, and a trial no faster by its figure than one the fastest is shown faster than does not tie
-(:mod:`hfscale.report.fastest`). Trials whose loss was flagged or whose speed may be unstable are left out.
+peak, else the peak; the table says which). At each budget the answer is the recommendation's rule applied to the
+trials that fit (:mod:`hfscale.report.fastest`): a trial that ties on speed with one that needs less memory never
+buys anything, so the tie is broken by memory, and a trial the evidence puts among the slower ones does not tie.
+Trials whose loss was flagged, pruned by an adaptive search, or whose speed may be unstable are left out (the one
+difference from the recommendation, which names none where one that may be unstable measured fastest).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def budget_rows(frame: pd.DataFrame, evidence: SweepNoise) -> list[dict[str, Any
     (:func:`~hfscale.report.fastest.pick_fastest`), recorded where it changes."""
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["fit_gib"].notna()]
     ok = ok[~ok["parity_flagged"].fillna(False).astype(bool)]
+    if "pruned" in ok:  # an adaptive search found them slower than its leader: the recommendation leaves them out
+        ok = ok[ok["pruned"].isna()]
     if "unstable" in ok:
         ok = ok[~ok["unstable"].fillna(False).astype(bool)]
     by_speed = ok.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
@@ -45,21 +48,24 @@ def budget_rows(frame: pd.DataFrame, evidence: SweepNoise) -> list[dict[str, Any
 
 
 def _note(pick: FastestPick, before: Any, evidence: SweepNoise) -> str:
-    """Against the row above: how much faster, and which trials that fit tie with it."""
+    """Against the row above (its figure, and whether the two tie), and which trials that fit tie with this one."""
     chosen = pick.chosen
-    parts = []
     same = [str(other["trial"]) for other in pick.tied if other["trial"] != chosen["trial"]]
+    parts = []
     if before is not None:
-        _, tested = speed_tie(chosen, before, evidence)
+        name = str(before["trial"])
+        tie, tested = speed_tie(chosen, before, evidence)
         gain = 100 * (chosen["samples_per_s"] / before["samples_per_s"] - 1)
-        if before["trial"] in same and any(r["trial"] == before["trial"] for r in pick.least):
-            parts.append(
-                f"ties on speed with {before['trial']} and needs as little memory within 2%; its figure is "
-                f"{gain:.1f}% higher"
-            )
-            same.remove(str(before["trial"]))
+        figure = f"its figure {abs(gain):.1f}% {'above' if gain >= 0 else 'below'} {name}'s"
+        if tie:
+            alike = name in same and any(r["trial"] == name for r in pick.least)
+            parts.append(f"ties on speed with {name}" + (" and needs as little memory within 2%" if alike else ""))
+            parts.append(figure)
+            same = [other for other in same if other != name]
+        elif tested:
+            parts.append(f"{gain:.1f}% faster than {name}" if gain >= 0 else f"{-gain:.1f}% slower than {name}")
         else:
-            parts.append(f"{gain:.1f}% faster than {before['trial']}" + ("" if tested else " (untested)"))
+            parts.append((f"{gain:.1f}% faster than {name}" if gain >= 0 else figure) + " (untested)")
     if same:
         parts.append(f"ties on speed with {', '.join(same)}")
     return "; ".join(parts)
@@ -78,11 +84,11 @@ BUDGET_COLUMNS = [
 BUDGET_NOTE = (
     "Read a row as: with at least this much memory per device, this is the fastest trial that fits, until the next "
     "row. The memory counted is what the device had to hold: NVML's process memory (CUDA context included) where "
-    "it was read, else the allocator's reserved peak, else the peak (CPU: resident set). Each row is what the "
-    "recommendation would name at that budget: a trial needing more memory takes over only when it is faster beyond "
-    "the noise, a speed tie is broken by memory (the smaller one stays), and a trial no faster by its figure than one "
-    "the fastest is shown faster than does not tie. Trials with a flagged loss or a speed that may be unstable are "
-    "left out."
+    "it was read, else the allocator's reserved peak, else the peak (CPU: resident set). Each row is the "
+    "recommendation's rule applied to the trials that fit (Recommendation, above): a speed tie is broken by memory, "
+    "and a trial the evidence puts among the slower ones does not tie. Trials with a flagged loss, pruned by an "
+    "adaptive search, or whose speed may be unstable are left out (where one that may be unstable measured fastest, "
+    "the recommendation names none)."
 )
 
 

@@ -117,11 +117,23 @@ def _leader_lines(pool: pd.DataFrame, evidence: SweepNoise, head: str, tail: str
 
 def _left_out_of_tie_lines(pick: FastestPick) -> list[Text]:
     """Why the trials whose interval holds the leader's speed are not named as tying with it."""
-    if not pick.left_out or pick.beaten is None:
-        return []
-    marks, values = _names([str(other["trial"]) for other in pick.left_out])
-    one = len(pick.left_out) == 1
-    return [
+    lines = [
+        rich(
+            "**{name}** is not counted as tying for the fastest, although no interval tells it from **{leader}**: "
+            "**{by}** is shown faster than it.",
+            name=out.trial["trial"],
+            leader=pick.leader["trial"],
+            by=out.by["trial"],
+        )
+        for out in pick.left_out
+        if out.shown_faster
+    ]
+    below = [out for out in pick.left_out if not out.shown_faster]
+    if not below:
+        return lines
+    marks, values = _names([str(out.trial["trial"]) for out in below])
+    one = len(below) == 1
+    lines.append(
         rich(
             marks + " {verb} not counted as tying for the fastest, although no interval tells {them} from **{name}**: "
             "{what} no faster by its figure than **{beaten}**, which **{name}** is shown faster than.",
@@ -130,9 +142,10 @@ def _left_out_of_tie_lines(pick: FastestPick) -> list[Text]:
             them="it" if one else "them",
             what="it is" if one else "each is",
             name=pick.leader["trial"],
-            beaten=pick.beaten["trial"],
+            beaten=below[0].by["trial"],
         )
-    ]
+    )
+    return lines
 
 
 def _fastest_lines(

@@ -108,6 +108,73 @@ def test_memory_never_picks_a_trial_no_faster_than_one_the_leader_beats() -> Non
     assert within.fastest == "fast" and "twin" not in within.fastest_ties
 
 
+def test_a_trial_faster_than_the_leader_beyond_the_budget_puts_no_tie_out() -> None:
+    """big does not fit 4 GiB and is shown faster than base: that says nothing against small, which ties with base
+    and needs less memory (c5017dd took any shown difference as the leader's win, and named base)."""
+    rows = [
+        *_spread_runs("base", 0.1, seed=1, peak=3.0, is_baseline=True),
+        *_spread_runs("small", 0.1 / 0.99, seed=2, peak=2.0),
+        *_spread_runs("big", 0.1 / 1.5, seed=3, peak=6.0),
+    ]
+    summary = report.summarize(rows, memory_budget_bytes=4 * GIB)
+    assert summary.trials.loc["big", "verdict"] == "faster"
+    assert summary.recommendation.fastest == "small" and summary.recommendation.fastest_ties == ("base",)
+    assert [row["trial"] for row in budget_rows(summary.trials, summary.speed)] == ["small", "big"]
+
+
+def _with_fillers(rows: list, count: int) -> list:
+    """``rows`` and ``count`` slower trials, which widen the all-pairs family."""
+    return rows + [r for k in range(count) for r in _spread_runs(f"f{k}", 0.13 + 0.01 * k, seed=4 + k, peak=4.0)]
+
+
+def test_the_baseline_as_leader_is_judged_by_the_tables_own_verdict() -> None:
+    """dd is slower than the baseline by the table's Dunnett verdict; as the leader, the baseline came from the
+    frame with numpy's bool, was not recognised, and was compared with dd on the wider all-pairs family: a tie,
+    which memory broke in dd's favour ("Use dd: 0.86x the baseline's samples/s, slower")."""
+    rows = _with_fillers(
+        [
+            *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
+            *_spread_runs("dd", 0.1 / 0.86, seed=2, peak=2.0),
+        ],
+        3,
+    )
+    summary = report.summarize(rows)
+    assert summary.trials.loc["dd", "verdict"] == "slower"
+    assert summary.recommendation.fastest == "base" and summary.recommendation.fastest_ties == ()
+
+
+def test_a_tied_trial_shown_slower_than_another_candidate_is_not_picked_by_memory() -> None:
+    """lead ties with base (Dunnett) and with dd (all pairs); base is shown faster than dd. dd needs the least
+    memory, but the evidence puts it below base, so the tie is lead and base."""
+    rows = _with_fillers(
+        [
+            *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
+            *_spread_runs("lead", 0.1 / 1.02, seed=2, peak=5.0),
+            *_spread_runs("dd", 0.1 / 0.86, seed=3, peak=2.0),
+        ],
+        5,
+    )
+    summary = report.summarize(rows)
+    assert summary.trials.loc["dd", "verdict"] == "slower"
+    assert summary.recommendation.fastest == "base" and summary.recommendation.fastest_ties == ("lead",)
+    text = " ".join(as_plain(line) for line in summary.recommendation.lines)
+    assert "dd is not counted as tying for the fastest, although no interval tells it from lead: base is shown " in text
+
+
+def test_the_budget_table_leaves_out_the_trials_an_adaptive_search_pruned() -> None:
+    """As the recommendation does: a pruned trial was found slower than the search's leader."""
+    rows = [
+        *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
+        *_spread_runs("lean", 0.1 / 0.7, seed=2, peak=2.0),
+    ]
+    summary = report.summarize(rows)
+    assert [row["trial"] for row in budget_rows(summary.trials, summary.speed)] == ["lean", "base"]
+    frame = summary.trials.copy()
+    frame["pruned"] = [None] * len(frame)
+    frame.loc["lean", "pruned"] = "slower than base beyond the noise"
+    assert [row["trial"] for row in budget_rows(frame, summary.speed)] == ["base"]
+
+
 def test_the_budget_table_names_at_each_budget_what_the_recommendation_names_there() -> None:
     """The same rule at every budget: the twin scenario above (0.4.0.dev0's table named twin at every budget, from
     its memory up, while fast is shown faster than the baseline twin measured no faster than), then random sweeps
