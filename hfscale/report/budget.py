@@ -5,8 +5,10 @@ speed-up against the baseline.
 peak, else the peak; the table says which). At each budget the answer is the recommendation's rule applied to the
 trials that fit (:mod:`hfscale.report.fastest`): a trial that ties on speed with one that needs less memory never
 buys anything, so the tie is broken by memory, and a trial the evidence puts among the slower ones does not tie.
-Trials whose loss was flagged, pruned by an adaptive search, or whose speed may be unstable are left out (the one
-difference from the recommendation, which names none where one that may be unstable measured fastest).
+Trials whose loss was flagged or whose speed may be unstable are left out. Two differences from the
+recommendation: where one that may be unstable measured fastest, it names none; and it leaves out the trials an
+adaptive search pruned, which the table keeps (below the memory of the search's answer they are the measured
+answers).
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ def budget_rows(frame: pd.DataFrame, evidence: SweepNoise) -> list[dict[str, Any
     (:func:`~hfscale.report.fastest.pick_fastest`), recorded where it changes."""
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["fit_gib"].notna()]
     ok = ok[~ok["parity_flagged"].fillna(False).astype(bool)]
-    if "pruned" in ok:  # an adaptive search found them slower than its leader: the recommendation leaves them out
-        ok = ok[ok["pruned"].isna()]
     if "unstable" in ok:
         ok = ok[~ok["unstable"].fillna(False).astype(bool)]
     by_speed = ok.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
@@ -86,9 +86,8 @@ BUDGET_NOTE = (
     "row. The memory counted is what the device had to hold: NVML's process memory (CUDA context included) where "
     "it was read, else the allocator's reserved peak, else the peak (CPU: resident set). Each row is the "
     "recommendation's rule applied to the trials that fit (Recommendation, above): a speed tie is broken by memory, "
-    "and a trial the evidence puts among the slower ones does not tie. Trials with a flagged loss, pruned by an "
-    "adaptive search, or whose speed may be unstable are left out (where one that may be unstable measured fastest, "
-    "the recommendation names none)."
+    "and a trial shown slower than one no faster than the leader does not tie. Trials with a flagged loss or a speed "
+    "that may be unstable are left out; trials an adaptive search pruned stay."
 )
 
 

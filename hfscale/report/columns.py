@@ -371,7 +371,7 @@ def flags(row: Row) -> tuple[tuple[str, str], ...]:
     if row.get("recommended"):
         out.append(("recommended", "the fastest trial" + (" that fits the budget" if row.get("budget_known") else "")))
     if row.get("ties_with_fastest"):
-        out.append(("ties", "as fast as the recommended trial within the noise (95%, all pairs)"))
+        out.append(("ties", "on speed with the fastest trial (Recommendation says how the tie was broken)"))
     if row.get("unstable") is True:
         out.append(("may be unstable", short(row.get("unstable_reason"), 300) or "no reason recorded"))
     two_runs = not is_missing(row.get("repeats_n")) and row["repeats_n"] >= 2

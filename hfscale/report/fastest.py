@@ -6,10 +6,10 @@ figure. Ties are not transitive, and the family of a comparison sets its width (
 between two other trials the wider all-pairs family), so a trial T can tie with the leader although the evidence
 puts it among the slower ones. Such a T is not counted as tying, and memory cannot pick it, when
 
-- another trial of the pool is shown faster than T, or
-- the leader is shown faster than another trial that T measured no faster than (that trial within the budget or
-  not): a three-run ``cpu_techniques`` grid recommended ddp-x2 at 1.00x the baseline (248.57 samples/s against the
-  baseline's 249.50), by memory, over lora-maxbatch, the only trial shown faster than the baseline (1.30x, 1.01-1.69).
+- a trial no faster by its figure than the leader (within the budget or not) is shown faster than T, or
+- the leader is shown faster than a trial (within the budget or not) that T measured no faster than: a three-run
+  ``cpu_techniques`` grid recommended ddp-x2 at 1.00x the baseline (248.57 samples/s against the baseline's
+  249.50), by memory, over lora-maxbatch, the only trial shown faster than the baseline (1.30x, 1.01-1.69).
 """
 
 from __future__ import annotations
@@ -75,7 +75,16 @@ def pick_fastest(pool: pd.DataFrame, evidence: SweepNoise, compared: pd.DataFram
         tie, tested = speed_tie(leader, other, evidence)
         if not tie:
             continue
-        by = next((r for r in rivals if r["trial"] != other["trial"] and shown_faster(r, other, evidence)), None)
+        by = next(
+            (
+                r
+                for r in others
+                if r["trial"] != other["trial"]
+                and r["samples_per_s"] <= leader["samples_per_s"]
+                and shown_faster(r, other, evidence)
+            ),
+            None,
+        )
         if by is not None:
             left_out.append(LeftOut(trial=other, by=by, shown_faster=True))
         elif beaten is not None and other["samples_per_s"] <= beaten["samples_per_s"]:

@@ -103,3 +103,22 @@ def test_a_tie_on_the_first_screen_says_how_far_apart_the_figures_are() -> None:
     assert ratio > 1.2
     text = as_plain(answer(summary))
     assert f"it ties on speed with base ({ratio:.2f}x lean's samples/s)" in text, text
+
+
+def test_several_ties_on_the_first_screen_are_listed_with_and() -> None:
+    rows = [
+        *runs_of("base", 0.10, seed=1, peak=0.700, drift=0.4, is_baseline=True),
+        *runs_of("lean", 0.13, seed=2, peak=0.500, drift=0.4),
+        *runs_of("mid", 0.12, seed=3, peak=0.600, drift=0.4),
+    ]
+    summary = report.summarize(rows)
+    assert summary.recommendation.fastest == "lean" and len(summary.recommendation.fastest_ties) == 2
+    first, second = summary.recommendation.fastest_ties
+    ratios = [
+        summary.trials.loc[name, "samples_per_s"] / summary.trials.loc["lean", "samples_per_s"]
+        for name in (first, second)
+    ]
+    text = as_plain(answer(summary))
+    assert (
+        f"it ties on speed with {first} ({ratios[0]:.2f}x lean's samples/s) and {second} ({ratios[1]:.2f}x)" in text
+    ), text

@@ -161,18 +161,59 @@ def test_a_tied_trial_shown_slower_than_another_candidate_is_not_picked_by_memor
     assert "dd is not counted as tying for the fastest, although no interval tells it from lead: base is shown " in text
 
 
-def test_the_budget_table_leaves_out_the_trials_an_adaptive_search_pruned() -> None:
-    """As the recommendation does: a pruned trial was found slower than the search's leader."""
+def test_a_baseline_over_the_budget_still_puts_out_a_trial_it_is_shown_faster_than() -> None:
+    """lead ties with the baseline, which does not fit 4 GiB; dd is shown slower than the baseline and ties with
+    lead on the wider family. The evidence puts dd below a trial no faster than lead, so memory must not pick it."""
+    rows = [
+        *_spread_runs("base", 0.1, seed=1, peak=6.0, is_baseline=True),
+        *_spread_runs("lead", 0.1 / 1.01, seed=2, peak=3.0),
+        *_spread_runs("dd", 0.1 / 0.86, seed=3, peak=2.0),
+    ]
+    rows += [r for k in range(5) for r in _spread_runs(f"f{k}", 0.13 + 0.01 * k, seed=4 + k, peak=7.0)]
+    summary = report.summarize(rows, memory_budget_bytes=4 * GIB)
+    assert summary.trials.loc["dd", "verdict"] == "slower"
+    assert summary.recommendation.fastest == "lead"
+    text = " ".join(as_plain(line) for line in summary.recommendation.lines)
+    assert "dd is not counted as tying for the fastest, although no interval tells it from lead: base is shown " in text
+    assert [row["trial"] for row in budget_rows(summary.trials, summary.speed)][:2] == ["dd", "lead"]
+
+
+def test_an_unmarked_baseline_is_judged_by_the_tables_own_verdict_too() -> None:
+    """No trial marked: the first ok trial is the baseline (its verdict says so), and comparisons with it are the
+    table's, as for a marked one."""
+    rows = _with_fillers(
+        [*_spread_runs("base", 0.1, seed=1, peak=4.0), *_spread_runs("dd", 0.1 / 0.86, seed=2, peak=2.0)], 3
+    )
+    summary = report.summarize(rows)
+    assert summary.baseline == "base" and summary.trials.loc["dd", "verdict"] == "slower"
+    assert summary.recommendation.fastest == "base"
+
+
+def test_the_budget_table_keeps_pruned_trials_and_says_when_a_row_ties_with_the_one_above() -> None:
+    """Below the memory of a search's answer, a pruned trial is the measured answer (the recommendation, with no
+    budget, leaves it out). A trial that ties with the row above and needs as little memory within 2% takes over
+    on its higher figure, and the note says so rather than "faster"."""
     rows = [
         *_spread_runs("base", 0.1, seed=1, peak=4.0, is_baseline=True),
         *_spread_runs("lean", 0.1 / 0.7, seed=2, peak=2.0),
     ]
     summary = report.summarize(rows)
-    assert [row["trial"] for row in budget_rows(summary.trials, summary.speed)] == ["lean", "base"]
     frame = summary.trials.copy()
     frame["pruned"] = [None] * len(frame)
     frame.loc["lean", "pruned"] = "slower than base beyond the noise"
-    assert [row["trial"] for row in budget_rows(frame, summary.speed)] == ["base"]
+    assert [row["trial"] for row in budget_rows(frame, summary.speed)] == ["lean", "base"]
+    rows = [
+        *_spread_runs("a", 0.1, seed=1, peak=3.0, is_baseline=True),
+        *_spread_runs("b", 0.1 / 1.04, seed=2, peak=3.05),
+    ]
+    summary = report.summarize(rows)
+    table = budget_rows(summary.trials, summary.speed)
+    assert [row["trial"] for row in table] == ["a", "b"]
+    gain = 100 * (summary.trials.loc["b", "samples_per_s"] / summary.trials.loc["a", "samples_per_s"] - 1)
+    assert (
+        table[1]["budget_note"]
+        == f"ties on speed with a and needs as little memory within 2%; its figure {gain:.1f}% above a's"
+    )
 
 
 def test_the_budget_table_names_at_each_budget_what_the_recommendation_names_there() -> None:
