@@ -6,9 +6,9 @@ peak, else the peak; the table says which). At each budget the answer is the rec
 trials that fit (:mod:`hfscale.report.fastest`): a trial that ties on speed with one that needs less memory never
 buys anything, so the tie is broken by memory, and a trial the evidence puts among the slower ones does not tie.
 Trials whose loss was flagged or whose speed may be unstable are left out. Two differences from the
-recommendation: where one that may be unstable measured fastest, it names none; and it leaves out the trials an
-adaptive search pruned, which the table keeps (below the memory of the search's answer they are the measured
-answers).
+recommendation: where a trial that may be unstable measured fastest, the recommendation names none; and the
+recommendation leaves out the trials an adaptive search pruned, which the table keeps (below the memory of the
+search's answer they are the measured answers).
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def _note(pick: FastestPick, before: Any, evidence: SweepNoise) -> str:
             parts.append(f"ties on speed with {name}" + (" and needs as little memory within 2%" if alike else ""))
             parts.append(figure)
             same = [other for other in same if other != name]
-        elif tested:
-            parts.append(f"{gain:.1f}% faster than {name}" if gain >= 0 else f"{-gain:.1f}% slower than {name}")
-        else:
-            parts.append((f"{gain:.1f}% faster than {name}" if gain >= 0 else figure) + " (untested)")
+        else:  # never shown slower than the row above: pick_fastest leaves out a trial shown slower than one that fits
+            parts.append(
+                (f"{gain:.1f}% faster than {name}" if gain >= 0 else figure) + ("" if tested else " (untested)")
+            )
     if same:
         parts.append(f"ties on speed with {', '.join(same)}")
     return "; ".join(parts)

@@ -275,7 +275,7 @@ def speed_tie(a: Mapping[str, Any], b: Mapping[str, Any], evidence: stats.SweepN
     baseline = next(
         (row["trial"] for row in (a, b) if _flagged(row.get("is_baseline")) or row.get("verdict") == "baseline"), None
     )
-    if baseline is not None:  # against the baseline: the table's own verdict (Dunnett), never a second opinion
+    if baseline is not None:  # against the baseline: the table's own verdict, never a second opinion
         said = evidence.against(b["trial"] if baseline == a["trial"] else a["trial"], baseline)
     else:
         said = evidence.pair(a["trial"], b["trial"])
