@@ -69,15 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def console() -> int:
     """The ``hfscale`` command (a process of its own): :func:`main` without transformers' import of peft, which no
-    command uses (a sweep's trials are processes of their own that decide for themselves), and without the garbage
-    collection of everything alive at exit (:mod:`hfscale.core.shutdown`)."""
+    command uses (a sweep's trials are processes of their own that decide for themselves)."""
     from hfscale.core.imports import leave_out_peft
-    from hfscale.core.shutdown import skip_final_collection
 
     leave_out_peft()
-    status = main()
-    skip_final_collection()  # the process ends here: its exit need not collect what transformers' import left
-    return status
+    return main()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Processes by pid: whether one still runs, and waiting for one to exit without racing pid reuse."""
+"""Processes by pid: whether one still runs, when it started, and waiting for one to exit without racing pid reuse."""
 
 from __future__ import annotations
 
@@ -38,3 +38,20 @@ def wait_for_exit(pid: int, poll_s: float) -> None:
         select.select([pidfd], [], [])
     finally:
         os.close(pidfd)
+
+
+def started_at(pid: int | str = "self") -> float | None:
+    """Epoch time ``pid`` started, to the kernel's clock tick (10 ms); None without Linux's ``/proc``.
+
+    Read as its start on the boot clock (``/proc/PID/stat``'s ``starttime``) against that clock now, not as the boot
+    time plus the start, as ``psutil.Process().create_time()`` does: ``/proc/stat``'s boot time is whole seconds,
+    so that figure is early by the boot time's fraction of a second, the same for every process until a reboot
+    (0.64 s on the machine where this was found, 2026-11-27: a trial's ``startup`` read 1.5 s for 0.9).
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rfind(")") + 2 :].split()[19])  # field 22, counted from the state (field 3)
+        boot_now, now = time.clock_gettime(time.CLOCK_BOOTTIME), time.time()
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return now - (boot_now - ticks / os.sysconf("SC_CLK_TCK"))

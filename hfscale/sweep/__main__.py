@@ -10,8 +10,5 @@ from hfscale.core.imports import leave_out_peft
 
 leave_out_peft()  # this process is a driver: it never trains, and transformers' import of peft costs seconds
 from hfscale.commands.sweep import main  # noqa: E402
-from hfscale.core.shutdown import skip_final_collection  # noqa: E402
 
-status = main()
-skip_final_collection()
-sys.exit(status)
+sys.exit(main())

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from hfscale.configs import TRAINING_ARGS_FILE
+from hfscale.core.shutdown import skip_final_collection
 from hfscale.trial.script import run_script
 from hfscale.trial.train import leave_out_peft_unless_used, process_start_time, run_trial
 from hfscale.workload.spec import TrialSpec
@@ -45,8 +46,14 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hfscale.trial``; returns the exit status."""
+def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
+    """Entry point of ``python -m hfscale.trial``; returns the exit status.
+
+    ``process_ends``: the process exits right after (``__main__``). A trial of hfscale's own model and data then
+    skips the garbage collection of everything alive at exit (:func:`~hfscale.core.shutdown.skip_final_collection`);
+    one that ran a user's code (a script, a model or data factory) does not, since what that code left open (a log
+    file that a registered class keeps alive) may need that pass to be flushed.
+    """
     process_start = process_start_time()
     from hfscale.trial.watchdog import watch_driver
 
@@ -77,4 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         run_script(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
         return 0
     run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
+    if process_ends and spec.model.factory is None and spec.data.factory is None:
+        skip_final_collection()
     return 0

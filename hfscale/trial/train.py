@@ -50,6 +50,7 @@ from hfscale.configs import DEEPSPEED_FILE
 from hfscale.core.collective import end_process_group
 from hfscale.core.files import utc_from_epoch, write_atomic
 from hfscale.core.imports import leave_out_peft
+from hfscale.core.pids import started_at
 from hfscale.records.row import TrialOutcome, to_json_text
 from hfscale.techniques import TECHNIQUES
 from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
@@ -165,12 +166,10 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
 
 
 def process_start_time() -> float:
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # psutil missing or /proc unreadable: start the clock at the runner instead
-        return time.time()
+    """Epoch time this process started (:func:`hfscale.core.pids.started_at`); without ``/proc``, now: the clock
+    then starts at the runner."""
+    started = started_at()
+    return time.time() if started is None else started
 
 
 @dataclass

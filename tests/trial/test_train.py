@@ -205,6 +205,27 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
     assert outcome.timings_s["total"] >= outcome.timings_s["train_call"]
 
 
+@pytest.mark.parametrize(
+    ("process_ends", "factory", "skips"),
+    [(True, None, True), (False, None, False), (True, "my_models:build", False)],
+    ids=["process-ends", "in-process", "user-factory"],
+)
+def test_only_a_trial_process_that_ran_no_user_code_skips_the_collection_at_exit(
+    tmp_path, monkeypatch, process_ends, factory, skips
+):
+    """``python -m hfscale.trial`` ends without the collector's pass at exit (hfscale.core.shutdown); a call in a
+    process that goes on (this one) must not freeze it, nor a run of a user's code, whose open files may need it."""
+    import hfscale.trial.entry as entry
+
+    calls = []
+    monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
+    monkeypatch.setattr(entry, "run_trial", lambda *args, **kwargs: None)
+    spec = tiny_spec(model=ModelSpec(type="bert", config=TINY_BERT, factory=factory))
+    spec.write(tmp_path / "spec.json")
+    assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
+    assert calls == (["skipped"] if skips else [])
+
+
 def test_a_registered_technique_takes_part_in_every_phase_of_a_trial(monkeypatch):
     """Adding a technique is registering it: the trial loads and adapts the model, prepares TrainingArguments and
     applies it to the Trainer through the registry, and the verification reads it back and checks it there."""
