@@ -46,7 +46,8 @@ def started_at(pid: int | str = "self") -> float | None:
     Read as its start on the boot clock (``/proc/PID/stat``'s ``starttime``) against that clock now, not as the boot
     time plus the start, as ``psutil.Process().create_time()`` does: ``/proc/stat``'s boot time is whole seconds,
     so that figure is early by the boot time's fraction of a second, the same for every process until a reboot
-    (0.64 s on the machine where this was found, 2026-11-27: a trial's ``startup`` read 1.5 s for 0.9).
+    (0.64 s on the machine where this was found, 2026-11-27: every trial's ``startup`` and ``total`` read that much
+    too long).
     """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -166,10 +166,18 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
 
 
 def process_start_time() -> float:
-    """Epoch time this process started (:func:`hfscale.core.pids.started_at`); without ``/proc``, now: the clock
-    then starts at the runner."""
+    """Epoch time this process started: :func:`hfscale.core.pids.started_at` on Linux; elsewhere psutil's figure
+    (early by up to a second where the boot time is kept in whole seconds); without psutil, now (the clock then
+    starts at the top of the trial's ``main``)."""
     started = started_at()
-    return time.time() if started is None else started
+    if started is not None:
+        return started
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
 
 
 @dataclass

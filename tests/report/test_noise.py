@@ -527,7 +527,7 @@ def test_a_real_cpu_hog_during_a_sweep_flags_its_rows_and_no_speed_claim_is_made
         row = summary.trials.loc[trial]
         assert row["unstable"], trial
         assert "other processes used" in row["unstable_reason"]
-        # The hog among the busiest others (the reason names three: the suite's other worker may outrank it).
+        # The hog among the busiest others (the reason names three: the suite's other workers may outrank it).
         assert any(f"({hog.pid})" in p for p in activity[trial].busy_processes), activity[trial].busy_processes
     assert summary.recommendation.fastest is None
 

@@ -275,7 +275,7 @@ def fake_python(tmp_path: Path) -> str:
 
 
 def test_a_failed_machine_ends_the_others(tmp_path, monkeypatch):
-    # Its own device locks: the clock must not count a trial of the suite's other worker holding the CPU.
+    # Its own device locks: the clock must not count a trial of another of the suite's workers holding the CPU.
     monkeypatch.setenv("HFSCALE_LOCK_DIR", str(tmp_path / "locks"))
     import_training_stack()  # before the clock: a first import of transformers took 67 s on a loaded CI host
     start = time.monotonic()

@@ -206,12 +206,17 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("process_ends", "factory", "skips"),
-    [(True, None, True), (False, None, False), (True, "my_models:build", False)],
-    ids=["process-ends", "in-process", "user-factory"],
+    ("process_ends", "model_factory", "data_factory", "skips"),
+    [
+        (True, None, None, True),
+        (False, None, None, False),
+        (True, "my_models:build", None, False),
+        (True, None, "my_data:build", False),
+    ],
+    ids=["process-ends", "in-process", "model-factory", "data-factory"],
 )
 def test_only_a_trial_process_that_ran_no_user_code_skips_the_collection_at_exit(
-    tmp_path, monkeypatch, process_ends, factory, skips
+    tmp_path, monkeypatch, process_ends, model_factory, data_factory, skips
 ):
     """``python -m hfscale.trial`` ends without the collector's pass at exit (hfscale.core.shutdown); a call in a
     process that goes on (this one) must not freeze it, nor a run of a user's code, whose open files may need it."""
@@ -220,7 +225,10 @@ def test_only_a_trial_process_that_ran_no_user_code_skips_the_collection_at_exit
     calls = []
     monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
     monkeypatch.setattr(entry, "run_trial", lambda *args, **kwargs: None)
-    spec = tiny_spec(model=ModelSpec(type="bert", config=TINY_BERT, factory=factory))
+    spec = tiny_spec(
+        model=ModelSpec(type="bert", config=TINY_BERT, factory=model_factory),
+        data=DataSpec(num_samples=32, seq_len=32, factory=data_factory),
+    )
     spec.write(tmp_path / "spec.json")
     assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
     assert calls == (["skipped"] if skips else [])
