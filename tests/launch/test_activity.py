@@ -1,6 +1,7 @@
 """What else the machine did during a trial: a real CPU hog is seen, the trial's own processes are not."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,18 +16,29 @@ HOG = [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.ti
 
 
 def test_a_cpu_hog_outside_the_trial_is_seen_and_named():
+    import psutil
+
     hog = subprocess.Popen(HOG)
     try:
         sampler = ActivitySampler(interval_s=0.25).start()
+        before, start = sum(psutil.Process(hog.pid).cpu_times()[:2]), time.monotonic()
         time.sleep(1.6)
         activity = sampler.stop()
+        hog_share = (sum(psutil.Process(hog.pid).cpu_times()[:2]) - before) / (time.monotonic() - start)
     finally:
         hog.kill()
         hog.wait()
     assert activity.samples >= 4
     # One process spinning gets a core on a quiet machine; under other load it still gets a good share.
     assert activity.other_cores_mean > 0.3, activity
-    assert any(f"({hog.pid})" in p for p in activity.busy_processes), activity.busy_processes
+    # The record names the five busiest: the hog, unless five others were busier (the suite's other workers can run
+    # four ranks of a two-machine trial at once, each as busy as the hog on two cores).
+    named = {
+        int(re.search(r"\((\d+)\)", p)[1]): int(re.search(r"(\d+)% of a core", p)[1]) / 100
+        for p in activity.busy_processes
+    }
+    if hog.pid not in named:
+        assert len(named) == 5 and min(named.values()) >= hog_share - 0.1, (activity.busy_processes, hog_share)
     reasons = disturbances(activity)
     assert reasons and reasons[0].startswith("other processes used"), reasons
 
