@@ -1,4 +1,4 @@
-"""Text as the tool prints it: one line, cut to a width; a duration as a clock."""
+"""Text as the tool prints it: one line, cut to a width; a list as a sentence; a duration as a clock."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ def short(text: str, limit: int = 100) -> str:
     """``text`` on one line, cut to ``limit`` characters."""
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def listed(items: list[str]) -> str:
+    """``a, b and c``: items as a sentence names them."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def clock(seconds: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from hfscale.core.text import listed
 from hfscale.report.columns import is_missing
 from hfscale.report.machine import format_bytes
 from hfscale.report.text import Span, Text, rich
@@ -71,8 +72,7 @@ def _ties_phrase(summary: Summary, row: pd.Series) -> str:
     ratios = [summary.trials.loc[name, "samples_per_s"] / row["samples_per_s"] for name in ties]
     named = [f"{name} ({ratio:.2f}x)" for name, ratio in zip(ties, ratios, strict=True)]
     named[0] = f"{ties[0]} ({ratios[0]:.2f}x {summary.recommendation.fastest}'s samples/s)"
-    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
-    return f"; it ties on speed with {listed}"
+    return f"; it ties on speed with {listed(named)}"
 
 
 def _recommended(summary: Summary) -> Text:

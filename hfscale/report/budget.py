@@ -58,7 +58,7 @@ def _note(pick: FastestPick, before: Any, evidence: SweepNoise) -> str:
         gain = 100 * (chosen["samples_per_s"] / before["samples_per_s"] - 1)
         figure = f"its figure {abs(gain):.1f}% {'above' if gain >= 0 else 'below'} {name}'s"
         if tie:
-            alike = name in same and any(r["trial"] == name for r in pick.least)
+            alike = any(r["trial"] == name for r in pick.least)  # pick.least is within pick.tied
             parts.append(f"ties on speed with {name}" + (" and needs as little memory within 2%" if alike else ""))
             parts.append(figure)
             same = [other for other in same if other != name]

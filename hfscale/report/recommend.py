@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hfscale.core.text import listed
 from hfscale.core.units import GIB
 from hfscale.report.columns import is_missing
 from hfscale.report.fastest import FastestPick, pick_fastest
@@ -69,8 +70,7 @@ def outside_allocator_gib(rows: pd.DataFrame) -> float | None:
 def _names(names: list[str]) -> tuple[str, dict[str, str]]:
     """``**{n0}**, **{n1}** and **{n2}**`` and its values, for :func:`rich`."""
     marks = [f"**{{n{k}}}**" for k in range(len(names))]
-    text = marks[0] if len(marks) == 1 else ", ".join(marks[:-1]) + " and " + marks[-1]
-    return text, {f"n{k}": name for k, name in enumerate(names)}
+    return listed(marks), {f"n{k}": name for k, name in enumerate(names)}
 
 
 def _speed_text(row: pd.Series) -> str:

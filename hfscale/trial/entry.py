@@ -84,6 +84,6 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
         run_script(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
         return 0
     run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
-    if process_ends and spec.model.factory is None and spec.data.factory is None:
+    if process_ends and not spec.runs_user_code:
         skip_final_collection()
     return 0

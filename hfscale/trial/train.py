@@ -166,9 +166,8 @@ def _name_fsdp_blocks(kwargs: dict[str, Any], model: PreTrainedModel) -> None:
 
 
 def process_start_time() -> float:
-    """Epoch time this process started: :func:`hfscale.core.pids.started_at` on Linux; elsewhere psutil's figure
-    (early by up to a second where the boot time is kept in whole seconds); without psutil, now (the clock then
-    starts at the top of the trial's ``main``)."""
+    """Epoch time this process started: :func:`hfscale.core.pids.started_at` where there is ``/proc``, else psutil's
+    figure, else now (the clock then starts at the top of the trial's ``main``)."""
     started = started_at()
     if started is not None:
         return started
