@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from hfscale.configs import TRAINING_ARGS_FILE
-from hfscale.core.shutdown import skip_final_collection
+from hfscale.core.collector import skip_final_collection
 from hfscale.trial.script import run_script
 from hfscale.trial.train import leave_out_peft_unless_used, process_start_time, run_trial
 from hfscale.workload.spec import TrialSpec
@@ -49,10 +49,12 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
     """Entry point of ``python -m hfscale.trial``; returns the exit status.
 
-    ``process_ends``: the process exits right after (``__main__``). A trial of hfscale's own model and data then
-    skips the garbage collection of everything alive at exit (:func:`~hfscale.core.shutdown.skip_final_collection`);
-    one that ran a user's code (a script, a model or data factory) does not, since what that code left open (a log
-    file that a registered class keeps alive) may need that pass to be flushed.
+    ``process_ends``: the process is the trial's own and exits right after (``__main__``). What the training stack's
+    imports leave alive is then frozen out of the garbage collector's sight, before any user code runs
+    (:mod:`hfscale.core.collector`). A trial of hfscale's own model and data also skips the collection of everything
+    alive at exit (:func:`~hfscale.core.collector.skip_final_collection`); one that ran a user's code (a script, a
+    model or data factory) does not, since what that code left open (a log file that a registered class keeps
+    alive) may need that pass to be flushed.
     """
     process_start = process_start_time()
     from hfscale.trial.watchdog import watch_driver
@@ -81,9 +83,21 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
             parser.error(f"{ta_path}: not readable TrainingArguments JSON ({exc})")
         logger.info("strategy TrainingArguments from %s", ta_path)
     if spec.script is not None:
-        run_script(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
+        run_script(
+            spec,
+            strategy_kwargs=strategy_kwargs,
+            result_path=args.result,
+            process_start=process_start,
+            own_process=process_ends,
+        )
         return 0
-    run_trial(spec, strategy_kwargs=strategy_kwargs, result_path=args.result, process_start=process_start)
+    run_trial(
+        spec,
+        strategy_kwargs=strategy_kwargs,
+        result_path=args.result,
+        process_start=process_start,
+        own_process=process_ends,
+    )
     if process_ends and not spec.runs_user_code:
         skip_final_collection()
     return 0

@@ -256,9 +256,12 @@ def run_script(
     strategy_kwargs: dict[str, Any] | None = None,
     result_path: str | os.PathLike[str] | None = None,
     process_start: float | None = None,
+    own_process: bool = False,
 ) -> TrialOutcome:
     """Run the trial's script (``spec.script``) on this rank under the trial's strategy; the main process writes
     the outcome to ``result_path``: ``ok``/``not_applied`` after training, ``not_applied`` naming the conflicts.
+    ``own_process`` as :func:`~hfscale.trial.train.run_trial`'s: the training stack is imported, and frozen, before
+    the script runs.
 
     Raises:
         ScriptDidNotTrainError: when the script returned or exited without ``Trainer.train()`` returning.
@@ -266,7 +269,7 @@ def run_script(
     """
     assert spec.script is not None, "run_script needs a trial with a script"
     timer = PhaseTimer(process_start)
-    import_training_stack()
+    import_training_stack(own_process=own_process)
     timer.lap("imports")
     scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
     try:

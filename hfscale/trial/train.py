@@ -36,6 +36,7 @@ so that the sweep can classify out-of-memory and crashes from the exit code and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfscale.configs import DEEPSPEED_FILE
 from hfscale.core.collective import end_process_group
+from hfscale.core.collector import frozen_after_imports
 from hfscale.core.files import utc_from_epoch, write_atomic
 from hfscale.core.imports import leave_out_peft
 from hfscale.core.pids import started_at
@@ -202,6 +204,7 @@ def run_trial(
     strategy_kwargs: dict[str, Any] | None = None,
     result_path: str | os.PathLike[str] | None = None,
     process_start: float | None = None,
+    own_process: bool = False,
 ) -> TrialOutcome:
     """Train ``spec`` in this process (one rank of the group), verify what ran, and return the outcome.
 
@@ -213,12 +216,14 @@ def run_trial(
             (:func:`strategy_training_args`).
         result_path: where the main process writes the :class:`TrialOutcome` JSON; None writes nothing.
         process_start: epoch time the process started, for the ``startup`` and ``total`` timings.
+        own_process: the process is the trial's own (``python -m hfscale.trial``), so what the imports leave alive
+            is frozen out of the collector's sight (:func:`import_training_stack`).
 
     Raises:
         Whatever training raises (out of memory, a library refusing the configuration): the sweep classifies it.
     """
     timer = PhaseTimer(process_start)
-    import_training_stack()
+    import_training_stack(own_process=own_process)
     timer.lap("imports")
     scratch = tempfile.mkdtemp(prefix=f"hfscale-trial-{spec.name}-")
     try:
@@ -240,14 +245,20 @@ def run_trial(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def import_training_stack() -> None:
+def import_training_stack(*, own_process: bool = False) -> None:
     """Import what training needs, so that its cost (seconds: the Trainer pulls in torch's compiler stack) is the
-    ``imports`` phase rather than part of the first phase that needs it."""
-    import torch  # noqa: F401
-    from transformers import Trainer, TrainingArguments  # noqa: F401
+    ``imports`` phase rather than part of the first phase that needs it.
 
-    from hfscale.callbacks import MemoryCallback  # noqa: F401
-    from hfscale.workload.data import make_dataset  # noqa: F401
+    ``own_process``: the process is the trial's own and nothing of a user's has run yet; the imports then run with
+    the garbage collector paused, and what they leave alive is frozen out of its sight
+    (:func:`~hfscale.core.collector.frozen_after_imports`: 1.2 s of a tiny trial rank's start and first step).
+    """
+    with frozen_after_imports() if own_process else contextlib.nullcontext():
+        import torch  # noqa: F401
+        from transformers import Trainer, TrainingArguments  # noqa: F401
+
+        from hfscale.callbacks import MemoryCallback  # noqa: F401
+        from hfscale.workload.data import make_dataset  # noqa: F401
 
 
 def _build_model(spec: TrialSpec, scratch: str) -> Any:

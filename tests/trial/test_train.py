@@ -218,20 +218,36 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
 def test_only_a_trial_process_that_ran_no_user_code_skips_the_collection_at_exit(
     tmp_path, monkeypatch, process_ends, model_factory, data_factory, skips
 ):
-    """``python -m hfscale.trial`` ends without the collector's pass at exit (hfscale.core.shutdown); a call in a
-    process that goes on (this one) must not freeze it, nor a run of a user's code, whose open files may need it."""
+    """``python -m hfscale.trial`` ends without the collector's pass at exit (hfscale.core.collector); a call in a
+    process that goes on (this one) must not freeze it, nor a run of a user's code, whose open files may need it.
+    The imports are frozen in the trial's own process only, user code or not (none has run when they are)."""
     import hfscale.trial.entry as entry
 
     calls = []
     monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
-    monkeypatch.setattr(entry, "run_trial", lambda *args, **kwargs: None)
+    monkeypatch.setattr(entry, "run_trial", lambda *args, own_process, **kwargs: calls.append(("own", own_process)))
     spec = tiny_spec(
         model=ModelSpec(type="bert", config=TINY_BERT, factory=model_factory),
         data=DataSpec(num_samples=32, seq_len=32, factory=data_factory),
     )
     spec.write(tmp_path / "spec.json")
     assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
-    assert calls == (["skipped"] if skips else [])
+    assert calls == [("own", process_ends), *(["skipped"] if skips else [])]
+
+
+@pytest.mark.parametrize("process_ends", [True, False], ids=["process-ends", "in-process"])
+def test_a_script_trial_imports_frozen_in_its_own_process_only(tmp_path, monkeypatch, process_ends):
+    """A script trial's process freezes what the training stack's imports leave alive, as any trial process does
+    (the script runs after them), and keeps the collection at exit (the script may need it)."""
+    import hfscale.trial.entry as entry
+    from hfscale.workload.spec import ScriptSpec
+
+    calls = []
+    monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
+    monkeypatch.setattr(entry, "run_script", lambda *args, own_process, **kwargs: calls.append(("own", own_process)))
+    tiny_spec(script=ScriptSpec(path=str(tmp_path / "train.py"))).write(tmp_path / "spec.json")
+    assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
+    assert calls == [("own", process_ends)]
 
 
 def test_a_registered_technique_takes_part_in_every_phase_of_a_trial(monkeypatch):
