@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 from hfscale.configs import TRAINING_ARGS_FILE
-from hfscale.core.collector import skip_final_collection
 from hfscale.trial.script import run_script
 from hfscale.trial.train import leave_out_peft_unless_used, process_start_time, run_trial
 from hfscale.workload.spec import TrialSpec
@@ -51,10 +50,7 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
 
     ``process_ends``: the process is the trial's own and exits right after (``__main__``). What the training stack's
     imports leave alive is then frozen out of the garbage collector's sight, before any user code runs
-    (:mod:`hfscale.core.collector`). A trial of hfscale's own model and data also skips the collection of everything
-    alive at exit (:func:`~hfscale.core.collector.skip_final_collection`); one that ran a user's code (a script, a
-    model or data factory) does not, since what that code left open (a log file that a registered class keeps
-    alive) may need that pass to be flushed.
+    (:mod:`hfscale.core.collector`); what a script or a factory makes later is collected as usual, at exit too.
     """
     process_start = process_start_time()
     from hfscale.trial.watchdog import watch_driver
@@ -98,6 +94,4 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
         process_start=process_start,
         own_process=process_ends,
     )
-    if process_ends and not spec.runs_user_code:
-        skip_final_collection()
     return 0

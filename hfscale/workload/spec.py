@@ -157,11 +157,6 @@ class TrialSpec:
     script: ScriptSpec | None = None
     """The user's training script; None: hfscale builds ``model`` and ``data``."""
 
-    @property
-    def runs_user_code(self) -> bool:
-        """Whether the trial runs code of the user's own: a script, or a model or data factory."""
-        return self.script is not None or self.model.factory is not None or self.data.factory is not None
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

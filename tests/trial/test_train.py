@@ -205,49 +205,63 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
     assert outcome.timings_s["total"] >= outcome.timings_s["train_call"]
 
 
-@pytest.mark.parametrize(
-    ("process_ends", "model_factory", "data_factory", "skips"),
-    [
-        (True, None, None, True),
-        (False, None, None, False),
-        (True, "my_models:build", None, False),
-        (True, None, "my_data:build", False),
-    ],
-    ids=["process-ends", "in-process", "model-factory", "data-factory"],
-)
-def test_only_a_trial_process_that_ran_no_user_code_skips_the_collection_at_exit(
-    tmp_path, monkeypatch, process_ends, model_factory, data_factory, skips
-):
-    """``python -m hfscale.trial`` ends without the collector's pass at exit (hfscale.core.collector); a call in a
-    process that goes on (this one) must not freeze it, nor a run of a user's code, whose open files may need it.
-    The imports are frozen in the trial's own process only, user code or not (none has run when they are)."""
-    import hfscale.trial.entry as entry
-
-    calls = []
-    monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
-    monkeypatch.setattr(entry, "run_trial", lambda *args, own_process, **kwargs: calls.append(("own", own_process)))
-    spec = tiny_spec(
-        model=ModelSpec(type="bert", config=TINY_BERT, factory=model_factory),
-        data=DataSpec(num_samples=32, seq_len=32, factory=data_factory),
-    )
-    spec.write(tmp_path / "spec.json")
-    assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
-    assert calls == [("own", process_ends), *(["skipped"] if skips else [])]
-
-
 @pytest.mark.parametrize("process_ends", [True, False], ids=["process-ends", "in-process"])
-def test_a_script_trial_imports_frozen_in_its_own_process_only(tmp_path, monkeypatch, process_ends):
-    """A script trial's process freezes what the training stack's imports leave alive, as any trial process does
-    (the script runs after them), and keeps the collection at exit (the script may need it)."""
+@pytest.mark.parametrize("code", ["recipe", "script", "model-factory", "data-factory"])
+def test_only_a_trials_own_process_imports_the_training_stack_frozen(tmp_path, monkeypatch, process_ends, code):
+    """``python -m hfscale.trial`` freezes what the imports leave alive (hfscale.core.collector), user code or not
+    (none has run then); a call in a process that goes on (this one) must not."""
     import hfscale.trial.entry as entry
     from hfscale.workload.spec import ScriptSpec
 
     calls = []
-    monkeypatch.setattr(entry, "skip_final_collection", lambda: calls.append("skipped"))
-    monkeypatch.setattr(entry, "run_script", lambda *args, own_process, **kwargs: calls.append(("own", own_process)))
-    tiny_spec(script=ScriptSpec(path=str(tmp_path / "train.py"))).write(tmp_path / "spec.json")
+    monkeypatch.setattr(entry, "run_trial", lambda *args, own_process, **kwargs: calls.append(("trial", own_process)))
+    monkeypatch.setattr(entry, "run_script", lambda *args, own_process, **kwargs: calls.append(("script", own_process)))
+    spec = tiny_spec(
+        model=ModelSpec(type="bert", config=TINY_BERT, factory="my_models:build" if code == "model-factory" else None),
+        data=DataSpec(num_samples=32, seq_len=32, factory="my_data:build" if code == "data-factory" else None),
+        script=ScriptSpec(path=str(tmp_path / "train.py")) if code == "script" else None,
+    )
+    spec.write(tmp_path / "spec.json")
     assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
-    assert calls == [("own", process_ends)]
+    assert calls == [("script" if code == "script" else "trial", process_ends)]
+
+
+@pytest.mark.parametrize("own_process", [True, False], ids=["own-process", "in-process"])
+def test_the_training_stack_is_imported_frozen_only_in_the_trials_own_process(monkeypatch, own_process):
+    """run_trial and run_script hand ``own_process`` to the imports, which freeze only then (the imports are cached
+    here: nothing is frozen in this process either way, the stand-in only records)."""
+    import contextlib
+
+    import hfscale.trial.script
+    import hfscale.trial.train
+    from hfscale.workload.spec import ScriptSpec
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append("frozen")
+        yield
+
+    monkeypatch.setattr(hfscale.trial.train, "frozen_after_imports", recording)
+    hfscale.trial.train.import_training_stack(own_process=own_process)
+    assert entered == (["frozen"] if own_process else [])
+
+    class Imported(Exception):
+        pass
+
+    def stand_in(*, own_process):
+        entered.append(own_process)
+        raise Imported
+
+    monkeypatch.setattr(hfscale.trial.train, "import_training_stack", stand_in)
+    monkeypatch.setattr(hfscale.trial.script, "import_training_stack", stand_in)
+    entered.clear()
+    with pytest.raises(Imported):
+        hfscale.trial.train.run_trial(tiny_spec(), own_process=own_process)
+    with pytest.raises(Imported):
+        hfscale.trial.script.run_script(tiny_spec(script=ScriptSpec(path="train.py")), own_process=own_process)
+    assert entered == [own_process, own_process]
 
 
 def test_a_registered_technique_takes_part_in_every_phase_of_a_trial(monkeypatch):
