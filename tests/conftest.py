@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -33,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "multi_gpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left alive: the test modules' imports (torch and transformers, about 420,000 objects the
+    garbage collector tracks) live as long as the session, and every full collection during a thousand in-process
+    tests would scan them again (hfscale.core.collector does the same in a trial). Measured on 2 cores: the report,
+    estimate, results, records, recipes and measure tests (not slow) took 73 s with it against 89 s without."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture
