@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         "log_history": trainer.state.log_history,
     }
     (out / f"rank{args.process_index}.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
+    # End the process group once every rank has written its record: its Gloo threads otherwise race the interpreter's
+    # teardown (helpers.teardown; a rank aborted so in a fresh-clone CI run of this script, 2026-11-28).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
