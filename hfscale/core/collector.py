@@ -25,10 +25,9 @@ def frozen_after_imports() -> Iterator[None]:
     reference cycles is collected first, as the collector would have. The price: the few objects of the process's
     own alive at the freeze (its argument parser, the spec, a logging handler) are never collected if they later
     become cyclic garbage (a bound, paid once, not per step); a frozen object alive at exit only through a cycle is
-    not finalised then; and
-    ``gc.get_objects()`` and ``gc.get_referrers()`` no longer see frozen objects (a script hunting leaked tensors
-    that way still sees its own). Never in a process that goes on with objects of its own (a test process, a
-    notebook): those would be frozen too. An import that raises leaves nothing frozen and the collector as it was.
+    not finalised then; and ``gc.get_objects()`` and ``gc.get_referrers()`` no longer see frozen objects (a script
+    hunting leaked tensors that way still sees its own). Never while objects that may yet die are alive, as inside
+    a test or a notebook that goes on. An import that raises leaves nothing frozen and the collector as it was.
     """
     was_enabled = gc.isenabled()
     gc.disable()
