@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from helpers.models import TINY_BERT, TINY_GPT2
@@ -14,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's sweeps take turns on the device locks of this session only, not with other sweeps on the machine.
 os.environ.setdefault("HFSCALE_LOCK_DIR", tempfile.mkdtemp(prefix="hfscale-test-locks-"))
+# Every process started from here on (xdist's workers, and what the tests launch) runs tests/site/sitecustomize.py.
+_SITE = str(Path(__file__).parent / "site")
+if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SITE, os.environ.get("PYTHONPATH")]))
 
 
 def _cuda_device_count() -> int:
@@ -40,9 +46,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection left alive: the test modules' imports (torch and transformers, about 420,000 objects the
     garbage collector tracks) live as long as the session, and every full collection during a thousand in-process
     tests would scan them again (hfscale.core.collector does the same in a trial). Measured on 2 cores: the report,
-    estimate, results, records, recipes and measure tests (not slow) took 73 s with it against 89 s without."""
+    estimate, results, records, recipes and measure tests (not slow) took 73 s with it against 89 s without.
+
+    The tests themselves then run at the interpreter's own thresholds, as they did before (some measure memory in
+    this process): where tests/site/sitecustomize.py raised the first one for the imports, it is set back."""
     gc.collect()
     gc.freeze()
+    site = sys.modules.get("sitecustomize")
+    if site is not None and hasattr(site, "DEFAULT_THRESHOLD"):
+        gc.set_threshold(*site.DEFAULT_THRESHOLD)
 
 
 @pytest.fixture
