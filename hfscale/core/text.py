@@ -10,7 +10,13 @@ def short(text: str, limit: int = 100) -> str:
 
 
 def listed(items: list[str]) -> str:
-    """``a, b and c``: items as a sentence names them."""
+    """``a, b and c``: items as a sentence names them.
+
+    Raises:
+        ValueError: for no items (a sentence naming nothing is the caller's to word).
+    """
+    if not items:
+        raise ValueError("listed() needs at least one item")
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 

@@ -23,3 +23,21 @@ def test_a_trials_start_time_lies_between_its_launch_and_its_first_line():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
     started, first_line = map(float, out.stdout.split())
     assert launched - 0.02 <= started <= first_line, (started - launched, first_line - started)  # 0.01 s ticks
+
+
+def test_without_proc_the_start_is_psutils_else_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is no ``/proc`` (``started_at`` gives None): psutil's figure, and where psutil fails too, the time
+    of the call, so the timings start at the trial's ``main``."""
+    import psutil
+
+    from hfscale.trial import train
+
+    monkeypatch.setattr(train, "started_at", lambda: None)
+    assert train.process_start_time() == psutil.Process().create_time()
+
+    def no_process(*args: object) -> None:
+        raise psutil.AccessDenied()
+
+    monkeypatch.setattr(psutil, "Process", no_process)
+    before = time.time()
+    assert before <= train.process_start_time() <= time.time()
