@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_without_proc_the_start_is_psutils_else_now(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(train, "started_at", lambda: None)
     assert train.process_start_time() == psutil.Process().create_time()
 
-    def no_process(*args: object) -> None:
+    def no_process(*args: object) -> NoReturn:
         raise psutil.AccessDenied()
 
     monkeypatch.setattr(psutil, "Process", no_process)

@@ -1,16 +1,22 @@
 """What else the machine did during a trial: a real CPU hog is seen, the trial's own processes are not."""
 
+from __future__ import annotations
+
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from hfscale.launch.activity import ActivitySampler
 from hfscale.records.activity import GpuActivity, MachineActivity, disturbances
+
+if TYPE_CHECKING:
+    import psutil
 
 HOG = [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
 
@@ -66,7 +72,7 @@ def test_the_trials_own_process_group_is_not_counted():
     assert difference == pytest.approx(used / 1.6, abs=0.25), (difference, used)
 
 
-def _runs(children: list, argv: list[str]) -> bool:
+def _runs(children: list[psutil.Process], argv: list[str]) -> bool:
     """Whether the one process of ``children`` has exec'd ``argv``."""
     import psutil
 

@@ -10,7 +10,7 @@ import sys
 
 def test_a_process_a_test_starts_imports_with_the_first_threshold_raised() -> None:
     probe = "import gc; print(gc.get_threshold()[0])"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120).stdout
     assert int(out) == 10_000
 
 
