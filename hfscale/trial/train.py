@@ -251,7 +251,7 @@ def import_training_stack(*, own_process: bool = False) -> None:
 
     ``own_process``: the process is the trial's own and nothing of a user's has run yet; the imports then run with
     the garbage collector paused, and what they leave alive is frozen out of its sight
-    (:func:`~hfscale.core.collector.frozen_after_imports`: about a second of a tiny trial's 5 s process).
+    (:func:`~hfscale.core.collector.frozen_after_imports`; what it saves: docs/development.md).
     """
     with frozen_after_imports() if own_process else contextlib.nullcontext():
         import torch  # noqa: F401
