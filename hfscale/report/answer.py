@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from hfscale.core.text import listed
+from hfscale.core.units import GIB
 from hfscale.report.columns import is_missing
 from hfscale.report.machine import format_bytes
 from hfscale.report.text import Span, Text, rich
@@ -99,7 +100,7 @@ def runs_to_decide(summary: Summary) -> int | None:
     :data:`MIN_RUNS`; :data:`MIN_RUNS` when the noise is unknown (no trial ran twice); None when even
     :data:`MAX_RUNS` would not (a difference too small to chase)."""
     noise = summary.speed.noise
-    ok = summary.trials[(summary.trials["status"] == "ok") & summary.trials["samples_per_s"].notna()]
+    ok = _contenders(summary)
     if noise.df < 1 or len(ok) < 2:
         return MIN_RUNS
     top = ok["samples_per_s"].sort_values(ascending=False)
@@ -121,6 +122,15 @@ def runs_to_decide(summary: Summary) -> int | None:
     return runs if runs <= MAX_RUNS else None
 
 
+def _contenders(summary: Summary) -> pd.DataFrame:
+    """The ok trials with a speed figure that fit the budget: the ones more runs would rank (a trial too large for
+    the budget is no candidate, however far it leads)."""
+    frame = summary.trials
+    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna()]
+    budget = summary.recommendation.budget_bytes
+    return ok if budget is None else ok[ok["fit_gib"] * GIB <= budget]
+
+
 def _cost_phrase(summary: Summary, runs: int) -> str:
     """About how long ``runs`` runs of every trial take beyond the runs already done, at the measured cost per run."""
     frame = summary.trials
@@ -132,8 +142,9 @@ def _cost_phrase(summary: Summary, runs: int) -> str:
     more = float(sum(max(0, runs - int(n)) for n in done))
     if more <= 0:
         return ""
-    minutes = more * per_run / 60
-    return f", about {minutes:.0f} more minutes at this sweep's {per_run:.0f} s per run (median wall time)"
+    seconds = more * per_run
+    more_time = f"{seconds:.0f} more seconds" if seconds < 90 else f"{seconds / 60:.0f} more minutes"
+    return f", about {more_time} at this sweep's {per_run:.0f} s per run (median wall time)"
 
 
 def _undecided(summary: Summary) -> Text:
@@ -142,6 +153,10 @@ def _undecided(summary: Summary) -> Text:
     frame = summary.trials
     if frame.empty or not (frame["status"] == "ok").any():
         return why + rich(" Nothing to rank: see the trials that did not finish ok below.")
+    if rec.undecided == "unmeasured":
+        return why + rich(" Nothing to rank: the Recommendation below names the ok trials left out, and why.")
+    if rec.undecided == "too_large":
+        return why + rich(" More runs cannot change that: a strategy that needs less memory, or a larger budget, can.")
     unstable = bool(frame["unstable"].fillna(False).astype(bool).any()) if "unstable" in frame else False
     if rec.most_frugal is not None and not unstable and summary.speed.noise.df >= 1:
         return why

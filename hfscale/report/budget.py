@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hfscale.report.columns import Column, fmt, interval_cell, speedup_cell
+from hfscale.report.columns import Column, fmt, interval_cell, verdict_cell
 from hfscale.report.fastest import FastestPick, pick_fastest
 from hfscale.report.noise import speed_tie
 from hfscale.results.stats import SweepNoise
@@ -76,7 +76,7 @@ BUDGET_COLUMNS = [
     Column(key="trial", header="fastest that fits", align="left"),
     Column(key="samples_per_s", header="samples/s", unit="samples/s", digits=2),
     Column(key="samples_per_s_low", header="samples/s 95% interval", unit="samples/s", cell=interval_cell),
-    Column(key="speedup_vs_baseline", header="speed-up vs baseline (x)", unit="x", cell=speedup_cell),
+    Column(key="speedup_vs_baseline", header="speed-up vs baseline (x)", unit="x", cell=verdict_cell),
     Column(key="fit_source", header="memory counted", align="left", cell=lambda r: r.get("fit_source") or "—"),
     Column(key="budget_note", header="against the row above", align="left", cell=lambda r: r["budget_note"]),
 ]

@@ -349,7 +349,7 @@ def _speed_cell(row: Row) -> str:
 VERDICT_WORDS = {"faster": "faster", "slower": "slower", "tie": "tie", "untested": "untested"}
 
 
-def _verdict_cell(row: Row) -> str:
+def verdict_cell(row: Row) -> str:
     """The speed-up with its interval and the verdict in a word: ``1.50 (1.31–1.72) faster``."""
     if row.get("verdict") == "baseline" or row.get("is_baseline"):
         return "baseline"
@@ -401,7 +401,7 @@ SLIM_COLUMNS: list[Column] = [
         key="speedup_vs_baseline",
         header="speed-up vs baseline (x)",
         unit="x",
-        cell=_verdict_cell,
+        cell=verdict_cell,
         definition="Ratio of geometric means against the baseline, Dunnett's simultaneous 95% interval, and the "
         "verdict: faster, slower, tie (the interval holds 1 or the ratio is within 2%), or untested.",
     ),
@@ -447,4 +447,5 @@ __all__ = [
     "speedup_cell",
     "status_cell",
     "trial_columns",
+    "verdict_cell",
 ]

@@ -269,12 +269,9 @@ def speed_tie(a: Mapping[str, Any], b: Mapping[str, Any], evidence: stats.SweepN
     ratio = _value(a, "samples_per_s"), _value(b, "samples_per_s")
     if ratio[0] is None or ratio[1] is None or not ratio[1]:
         return False, False
-    # The table's baseline: marked (numpy's bool where the row is a frame's first, which ``is True`` missed), or the
-    # first ok trial where none is marked; as the leader it was compared on the all-pairs family, not on the table's
-    # own verdict.
-    baseline = next(
-        (row["trial"] for row in (a, b) if _flagged(row.get("is_baseline")) or row.get("verdict") == "baseline"), None
-    )
+    # The table's baseline (its verdict column: the marked trial it used, or the first ok trial where none is marked),
+    # not any trial marked: with several marked, the others are compared on the all-pairs family like every trial.
+    baseline = next((row["trial"] for row in (a, b) if row.get("verdict") == "baseline"), None)
     if baseline is not None:  # against the baseline: the table's own verdict, never a second opinion
         said = evidence.against(b["trial"] if baseline == a["trial"] else a["trial"], baseline)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from hfscale.core.text import listed
 from hfscale.core.units import GIB
@@ -52,6 +52,9 @@ class Recommendation:
     """Other trials whose speed cannot be told apart from the fastest's (named in ``lines``)."""
     lines: tuple[Text, ...]
     """The recommendation in sentences, as the report prints it."""
+    undecided: Literal["unmeasured", "too_large", "unstable"] | None = None
+    """Why no trial is recommended on speed: no ok trial has both figures, none fits the budget (more runs change
+    neither), or the fastest by its figure may be unstable; None when one is."""
 
 
 def _f(value: float | None, digits: int) -> str:
@@ -177,9 +180,10 @@ def _fastest_lines(
         line.append(
             rich(
                 "They need the same memory too ({fits}), so either will do: no measurement here ranks them; "
-                "**{name}** is marked only because its point estimate is higher.",
+                "**{name}** is marked only because {why}.",
                 fits=", ".join(_fit_text(r) for r in tied),
                 name=leader["trial"],
+                why=_marked_for(leader, tied, "samples_per_s", "its point estimate is the highest"),
             )
         )
         return leader, line + left_out, tuple(n for n in names if n != leader["trial"])
@@ -202,6 +206,22 @@ def _fastest_lines(
         )
     )
     return best, line + left_out, tuple(n for n in names if n != best["trial"])
+
+
+def _marked_for(chosen: pd.Series, tied: list[pd.Series], key: str, why: str) -> str:
+    """Why ``chosen`` is the one marked among ``tied``: ``why`` where its ``key`` is strictly the best (highest
+    speed, or lowest memory when ``why`` says so), else that the figures are equal and it was listed first."""
+    others = [r[key] for r in tied if r["trial"] != chosen["trial"]]
+    best = chosen[key] < min(others) if "lowest" in why else chosen[key] > max(others)
+    return why if best else "it is listed first (their figures are equal)"
+
+
+def _least_memory_marked_for(chosen: pd.Series, tied: list[pd.Series]) -> str:
+    """Why the trial marked for the least memory is marked: its lower figure, or at equal memory its higher speed."""
+    why = _marked_for(chosen, tied, "fit_gib", "its memory figure is the lowest")
+    if why.startswith("its"):
+        return why
+    return _marked_for(chosen, tied, "samples_per_s", "its memory figure is as low and its speed figure the highest")
 
 
 def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Series, list[Text]]:
@@ -231,8 +251,9 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
     if all(tie for tie, _ in said):
         lines.append(
             rich(
-                "Their speeds tie too, so either will do; **{name}** is marked only for its lower point figure.",
+                "Their speeds tie too, so either will do; **{name}** is marked only because {why}.",
                 name=leader["trial"],
+                why=_least_memory_marked_for(leader, tied),
             )
         )
         return leader, lines
@@ -240,9 +261,9 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
         lines.append(
             rich(
                 "Speed does not break the tie: no test shows one of them faster than all the others (some tie, or "
-                "have fewer than two runs, or may be unstable); **{name}** is marked only for its lower point "
-                "figure.",
+                "have fewer than two runs, or may be unstable); **{name}** is marked only because {why}.",
                 name=leader["trial"],
+                why=_least_memory_marked_for(leader, tied),
             )
         )
         return leader, lines
@@ -261,7 +282,7 @@ def _other_job_lines(fastest: pd.Series, frame: pd.DataFrame) -> list[Text]:
     """What makes the recommended trial a different job from the baseline's, said beside the recommendation: a
     larger batch (a ``-maxbatch`` row) or LoRA (adapters trained, the base frozen) are faster partly because they
     do less or other work per sample, which samples/s alone does not show."""
-    baseline = frame[frame["is_baseline"].fillna(False).astype(bool)]
+    baseline = frame[frame["verdict"] == "baseline"]  # the table's: marked, or the first ok trial where none is
     lines = []
     if not is_missing(fastest.get("max_batch_of")):
         lines.append(
@@ -303,25 +324,30 @@ class _Pool:
     """Candidates flagged "may be unstable"."""
     flagged: pd.DataFrame
     """Ok rows whose loss the parity check flagged."""
+    unmeasured: pd.DataFrame
+    """Ok rows (not pruned) without a throughput or a memory figure: they cannot be ranked, and are said to be left
+    out rather than silently missing from the answer."""
     tracks_unstable: bool
     """Whether the frame has the ``unstable`` column (a frame without it has no unstable rows)."""
 
 
 def _pool(frame: pd.DataFrame) -> _Pool:
-    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna() & frame["peak_gib"].notna()]
+    ok = frame[frame["status"] == "ok"]
     if "pruned" in ok:  # an adaptive search found them slower than its leader beyond the noise
         ok = ok[ok["pruned"].isna()]
+    measured = ok["samples_per_s"].notna() & ok["peak_gib"].notna()
+    unmeasured, ok = ok[~measured], ok[measured]
     flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
     flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
     if "unstable" not in candidates:
         return _Pool(
             candidates=candidates, steady=candidates, unstable=candidates.iloc[0:0], flagged=flagged,
-            tracks_unstable=False,
+            unmeasured=unmeasured, tracks_unstable=False,
         )  # fmt: skip
     unstable_mask = candidates["unstable"].fillna(False).astype(bool)
     return _Pool(
         candidates=candidates, steady=candidates[~unstable_mask], unstable=candidates[unstable_mask],
-        flagged=flagged, tracks_unstable=True,
+        flagged=flagged, unmeasured=unmeasured, tracks_unstable=True,
     )  # fmt: skip
 
 
@@ -331,44 +357,36 @@ def _speed_lines(
     """The speed recommendation: the fastest steady trial within the budget (None when there is none to name), the
     sentences that say it, and the trials tied with it."""
     candidates = pool.candidates
+    where = _where(budget, source)
+    contenders = candidates if budget is None else candidates[candidates["fit_gib"] * GIB <= budget]
+    if contenders.empty:  # first: more runs, on however idle a machine, would not change it
+        smallest = candidates.sort_values("fit_gib").iloc[0]
+        line = rich(
+            "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",
+            name=smallest["trial"],
+            fit=_fit_text(smallest),
+        )
+        return None, [line], ()
     by_speed = pool.steady.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable")
     # A steady trial is recommended on speed only if no trial that may be unstable (and fits) measured faster: a
     # slower steady trial is not "the fastest", and the faster figure cannot be trusted.
-    contenders = candidates if budget is None else candidates[candidates["fit_gib"] * GIB <= budget]
     top = contenders.sort_values(["samples_per_s", "fit_gib"], ascending=[False, True], kind="stable").head(1)
-    if not top.empty and pool.tracks_unstable and bool(top["unstable"].fillna(False).iloc[0]):
+    if pool.tracks_unstable and bool(top["unstable"].fillna(False).iloc[0]):
         line = rich(
-            "No trial is recommended on speed " + _where(budget, source) + ": the fastest by its figure, **{name}**, "
+            "No trial is recommended on speed " + where + ": the fastest by its figure, **{name}**, "
             "may be unstable (below), and no steady trial measured faster.",
             name=top["trial"].iloc[0],
-        )
-        return None, [line], ()
-    if by_speed.empty:
-        line = rich(
-            "No trial can be recommended on speed "
-            + _where(budget, source)
-            + ": every qualifying trial may be unstable (below)."
         )
         return None, [line], ()
     if budget is None:
         return _fastest_lines(
             by_speed,
             evidence,
-            "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory, so the "
-            "fastest trial overall is",
+            "No memory budget: none was given (--memory-budget) and environment.json records no GPU memory; fastest "
+            "overall:",
             by_speed,
         )
-    fitting = by_speed[by_speed["fit_gib"] * GIB <= budget]
-    where = _where(budget, source)
-    if not fitting.empty:
-        return _fastest_lines(fitting, evidence, f"Fastest {where}:", by_speed)
-    smallest = candidates.sort_values("fit_gib").iloc[0]
-    line = rich(
-        "No ok trial fits " + where + "; the smallest, **{name}**, needs {fit}.",
-        name=smallest["trial"],
-        fit=_fit_text(smallest),
-    )
-    return None, [line], ()
+    return _fastest_lines(by_speed[by_speed["fit_gib"] * GIB <= budget], evidence, f"Fastest {where}:", by_speed)
 
 
 def _memory_note(candidates: pd.DataFrame) -> Text:
@@ -406,7 +424,15 @@ def _left_out_lines(pool: _Pool, frame: pd.DataFrame) -> list[Text]:
     if not pool.flagged.empty:
         names = ", ".join(f"{r['trial']} ({r['parity_reason'] or 'flagged'})" for _, r in pool.flagged.iterrows())
         lines.append(rich("Left out because their loss was flagged by the parity check: {names}.", names=names))
+    if not pool.unmeasured.empty:
+        names = ", ".join(f"{r['trial']} ({_missing_figures(r)})" for _, r in pool.unmeasured.iterrows())
+        lines.append(rich("Left out because a figure was not measured: {names}.", names=names))
     return lines
+
+
+def _missing_figures(row: pd.Series) -> str:
+    missing = [what for key, what in (("samples_per_s", "throughput"), ("peak_gib", "memory")) if is_missing(row[key])]
+    return f"no {' and no '.join(missing)} figure"
 
 
 def recommend(
@@ -420,7 +446,10 @@ def recommend(
     pool = _pool(frame)
     if pool.candidates.empty:
         line = rich("No trial finished ok with both throughput and memory measured, so nothing can be recommended.")
-        return Recommendation(budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None, lines=(line,))
+        return Recommendation(
+            budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None,
+            lines=(line, *_left_out_lines(pool, frame)), undecided="unmeasured",
+        )  # fmt: skip
     fastest, said, ties = _speed_lines(pool, budget, source, evidence)
     lines = list(said)
     if fastest is not None:
@@ -429,6 +458,7 @@ def recommend(
     lines += said
     lines.append(_memory_note(pool.candidates))
     lines += _left_out_lines(pool, frame)
+    fits = budget is None or bool((pool.candidates["fit_gib"] * GIB <= budget).any())
     return Recommendation(
         budget_bytes=budget,
         budget_source=source,
@@ -436,6 +466,7 @@ def recommend(
         most_frugal=str(frugal["trial"]),
         lines=tuple(lines),
         fastest_ties=ties,
+        undecided=None if fastest is not None else "unstable" if fits else "too_large",
     )
 
 

@@ -122,3 +122,47 @@ def test_several_ties_on_the_first_screen_are_listed_with_and() -> None:
     assert (
         f"it ties on speed with {first} ({ratios[0]:.2f}x lean's samples/s) and {second} ({ratios[1]:.2f}x)" in text
     ), text
+
+
+def test_no_runs_are_advised_where_more_runs_cannot_decide() -> None:
+    """Nothing fits the budget, or no ok trial has its figures: more runs change neither, so the answer does not
+    ask for them."""
+    too_big = [*runs_of("base", 0.10, seed=1, is_baseline=True, peak=10.0), *runs_of("b", 0.05, seed=2, peak=12.0)]
+    text = as_plain(answer(report.summarize(too_big, memory_budget_bytes=8 * GIB)))
+    assert text.startswith("No ok trial fits within 8 GiB per device"), text
+    assert "run each trial" not in text and "More runs cannot change that" in text, text
+    unmeasured = [_without_memory(row) for row in too_big]
+    text = as_plain(answer(report.summarize(unmeasured)))
+    assert text.startswith("No trial finished ok with both throughput and memory measured"), text
+    assert "run each trial" not in text and "more minutes" not in text, text
+
+
+def _without_memory(row):
+    import dataclasses
+
+    return dataclasses.replace(row, measured=dataclasses.replace(row.measured, memory=None))
+
+
+def test_the_runs_advised_are_sized_on_the_trials_that_fit() -> None:
+    """Two trials too large for the budget lead by far; the trials that fit are 2.5% apart, and the fastest of
+    them may be unstable. Three runs each already ran: the advice is sized on the two that fit (too close to chase),
+    never "run each trial 3 times" again."""
+    rows = [
+        *runs_of("base", 0.10, seed=1, is_baseline=True, drift=0.04, runs=3),
+        *runs_of("big", 0.03, seed=5, peak=20.0, drift=0.04, runs=3),
+        *runs_of("big2", 0.06, seed=6, peak=20.0, drift=0.04, runs=3),
+        *runs_of("hog", 0.080, seed=2, activity=CPU_HOG, drift=0.04, runs=3),
+        *runs_of("steady", 0.082, seed=3, drift=0.04, runs=3),
+    ]
+    summary = report.summarize(rows, memory_budget_bytes=8 * GIB)
+    assert summary.recommendation.fastest is None
+    assert runs_to_decide(summary) is None
+    text = as_plain(answer(summary))
+    assert "run each trial 3 times" not in text and "treat them as equal" in text, text
+
+
+def test_a_cost_under_a_minute_is_said_in_seconds() -> None:
+    rows = [*runs_of("base", 0.10, seed=1, is_baseline=True), *runs_of("hogged", 0.05, seed=2, activity=CPU_HOG)]
+    text = as_plain(answer(report.summarize(rows)))
+    assert "about 0 more minutes" not in text, text
+    assert re.search(r"about \d+ more seconds at this sweep's \d+ s per run", text), text
