@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-DecisionKind = Literal["skipped", "pruned", "too_slow", "over_budget"]
+DecisionKind = Literal["skipped", "pruned", "too_slow", "over_budget", "unmeasured"]
 """skipped: the estimate says the trial cannot fit the budget even if it over-predicts by the margin, so it never
 runs; pruned: slower than the leader beyond the noise; too_slow: below the throughput floor beyond the noise (the
-least-memory question); over_budget: its measured peak does not fit the budget (it ran; its rows stay as they are)."""
+least-memory question); over_budget: its measured peak does not fit the budget (it ran; its rows stay as they are);
+unmeasured: its ok runs gave no steady samples/s, so it cannot be ranked (its rows stay as they are)."""
 
 StopReason = Literal["decided", "runs_spent", "time_spent", "run_budget_spent", "nothing_fits", "no_trials"]
 """decided: every other contender is pruned or equal to the answer within the noise threshold; runs_spent: the

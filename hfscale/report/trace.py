@@ -16,6 +16,7 @@ KIND_WORDS = {
     "pruned": "pruned",
     "too_slow": "pruned (below the floor)",
     "over_budget": "over the budget",
+    "unmeasured": "not ranked",
 }
 
 

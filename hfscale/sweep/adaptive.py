@@ -37,6 +37,7 @@ from hfscale.sweep.search import (
     Progress,
     Question,
     TrialState,
+    budget_spent,
     next_step,
     skip_by_estimate,
     skip_margin,
@@ -51,6 +52,8 @@ MIN_SHORT_STEPS = 20
 are called unsteady, docs/callbacks.md), and the steps after it must hold a figure as steady as a full run's."""
 
 
+ADAPTIVE_STOPPING = "adaptive search"
+"""How a row an adaptive search made says so (its ``stopping``, :func:`adaptive_mark`)."""
 ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs", "noise_floor")
 """Settings that only an adaptive search reads: a grid refuses them rather than ignore them."""
 
@@ -156,15 +159,16 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
             f"--noise-floor (or sweep.noise_floor) {spec}: not a run folder (no {RESULTS_FILE}); give the run folder "
             "of an earlier grid sweep on this machine, or a figure (15%)"
         )
-    if (folder / SEARCH_FILE).is_file():
-        raise SweepError(
-            f"--noise-floor {spec}: an adaptive search's run folder: its repeats ran close together, which is the "
-            "noise a floor must not come from; give a grid sweep's run folder"
-        )
     try:
         rows = read_results(folder)
     except (OSError, ValueError) as exc:
         raise SweepError(f"--noise-floor {spec}: cannot read its rows: {exc}") from exc
+    # search.json is written when a search ends; an interrupted one's rows say so themselves (adaptive_mark).
+    if (folder / SEARCH_FILE).is_file() or any(_searched(row) for row in rows):
+        raise SweepError(
+            f"--noise-floor {spec}: an adaptive search's run folder: its repeats ran close together, which is the "
+            "noise a floor must not come from; give a grid sweep's run folder"
+        )
     runs, left_out = _undisturbed_runs(rows)
     noise = pooled_noise(runs)
     if noise.df < 1:
@@ -177,6 +181,11 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
     source = f"the pooled run-to-run noise of {spec} ({len(noise.trials)} trials, {noise.df} df"
     source += f"; left out: {'; '.join(left_out)})" if left_out else ")"
     return NoiseFloor(sd=noise.sd, df=noise.df, source=source)
+
+
+def _searched(row: TrialResult) -> bool:
+    """Whether an adaptive search made ``row`` (its decision rows, and the runs :func:`adaptive_mark` marked)."""
+    return row.search is not None or (row.stopping or "").startswith(ADAPTIVE_STOPPING)
 
 
 def _undisturbed_runs(rows: Sequence[TrialResult]) -> tuple[dict[str, list[float]], list[str]]:
@@ -258,21 +267,49 @@ def _state(run: PlannedRun, rows: list[TrialResult]) -> TrialState:
 
 def grid_cost(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> tuple[int, float | None]:
     """Runs the grid would make and the time they would take: every trial ``measure.repeats`` times, but once for a
-    trial the search skipped on its estimate (the grid does not repeat a trial whose first run fails, and that one
-    is expected to); each run at the trial's median measured wall time, the median over all runs for a trial that
-    never ran."""
-    walls: dict[str, list[float]] = {}
-    for (name, _), row in stored.items():
-        if row.wall_time_s is not None and row.status not in ("skipped", "pruned"):
-            walls.setdefault(name, []).append(row.wall_time_s)
-    skipped = {name for (name, _), row in stored.items() if row.search is not None and row.search.kind == "skipped"}
-    counts = {run.name: 1 if run.name in skipped else run.trial.spec.measure.repeats for run in firsts}
+    trial whose first run failed or that the search skipped on its estimate (the grid does not repeat a trial whose
+    first run fails, and that one is expected to), and never one the sweep does not launch (a missing dependency);
+    each run at the trial's median wall time at full length (:func:`_full_run_walls`), the median over all trials'
+    for a trial that never ran."""
+    walls = _full_run_walls(firsts, stored)
+    counts = {run.name: _grid_runs(run, stored) for run in firsts}
     everything = [w for values in walls.values() for w in values]
     if not everything:
         return sum(counts.values()), None
     fallback = statistics.median(everything)
     seconds = sum(n * (statistics.median(walls[name]) if name in walls else fallback) for name, n in counts.items())
     return sum(counts.values()), seconds
+
+
+def _grid_runs(run: PlannedRun, stored: Mapping[Key, TrialResult]) -> int:
+    """The runs the grid makes of ``run``'s trial, as far as the search's rows show."""
+    if run.skip_reason is not None:
+        return 0
+    first = stored.get((run.name, 0))
+    if first is not None and (first.status not in ("ok", "pruned") or first.search is not None):
+        return 1  # failed on its first run, or skipped on the estimate (and expected to fail)
+    return run.trial.spec.measure.repeats
+
+
+def _full_run_walls(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> dict[str, list[float]]:
+    """Each trial's launched runs' wall times at the length the grid runs them. A first run the search made short
+    (:func:`first_run`) is lengthened by the steps it left out, at its own measured mean step time; where that is
+    not known it counts as it ran (so the grid's time is then underestimated, never overstated)."""
+    by_name = {run.name: run for run in firsts}
+    walls: dict[str, list[float]] = {}
+    for (name, repeat), row in stored.items():
+        if row.wall_time_s is None or row.status in ("skipped", "pruned"):
+            continue
+        wall = row.wall_time_s
+        run = by_name.get(name)
+        total = _total_steps(run.trial) if run is not None else None
+        throughput = row.throughput
+        if repeat == 0 and total is not None and throughput is not None and throughput.step_time_mean_s:
+            ran = first_run(run).trial.spec.measure.max_steps
+            if ran is not None and ran < total:
+                wall += (total - ran) * throughput.step_time_mean_s
+        walls.setdefault(name, []).append(wall)
+    return walls
 
 
 @dataclass(kw_only=True)
@@ -390,8 +427,8 @@ class AdaptiveSearch:
     def _search_contenders(self, step: Next, firsts: Sequence[PlannedRun]) -> bool:
         """The largest-batch search of the answer and the contenders left that ask for one (not yet searched);
         True when one found a batch whose trial now joins the search."""
-        if step.stop in ("run_budget_spent", "time_spent"):
-            return False  # no probes once the budget is spent
+        if budget_spent(self.limits, self._progress()) is not None:
+            return False  # no probes once a budget is spent, whatever ended the search
         before = len(firsts)
         in_contest = {step.answer, *step.contenders} - {None}
         for run in self.firsts:
@@ -427,7 +464,7 @@ def adaptive_mark(row: TrialResult, run: PlannedRun, stored: dict[Key, TrialResu
         steps = f"{measure.max_steps} optimizer steps, " if measure.max_steps is not None else ""
         short = f" (its first: {steps}the warm-up detected)"
     return dataclasses.replace(
-        row, stopping=f"adaptive search: runs until the answer is decided within the noise{short}"
+        row, stopping=f"{ADAPTIVE_STOPPING}: runs until the answer is decided within the noise{short}"
     )
 
 

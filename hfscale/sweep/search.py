@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hfscale.core.text import listed
 from hfscale.records.search import SearchDecision, StopReason
 from hfscale.results.stats import (
     DEFAULT_CONFIDENCE,
@@ -195,12 +196,15 @@ def next_step(states: Sequence[TrialState], question: Question, limits: Limits, 
     alive = [s for s in states if s.out is None]
     if not alive:
         return Next(stop="no_trials", stop_reason="no trial is left to run (every one failed, was skipped or pruned)")
-    if first := tuple(s.name for s in alive if s.runs == 0):
-        return _limited(Next(run=first), limits, progress)
+    first = tuple(s.name for s in alive if s.runs == 0)
+    if first and (step := _limited(Next(run=first), limits, progress)).stop is None:
+        return step
     runs = {s.name: s.rates for s in states}
     look = _Look(
-        alive=alive, noise=pooled_noise(runs), question=question, progress=progress, shared_p=shared_noise_p(runs)
-    )
+        alive=[s for s in alive if s.runs > 0], noise=pooled_noise(runs), question=question, progress=progress,
+        shared_p=shared_noise_p(runs),
+    )  # fmt: skip
+    _drop_unmeasured(look)
     _drop_over_budget(look)
     floor = question.min_samples_per_s
     step = _fastest(look) if floor is None else _frugal(look, floor)
@@ -208,7 +212,28 @@ def next_step(states: Sequence[TrialState], question: Question, limits: Limits, 
         run=step.run, decisions=tuple(look.decisions), stop=step.stop, stop_reason=step.stop_reason,
         answer=step.answer, contenders=step.contenders,
     )  # fmt: skip
+    if first:  # a budget ran out before every trial ran once: the answer so far, the trials never run still in it
+        spent = _limited(Next(run=first), limits, progress)
+        return dataclasses.replace(
+            spent, decisions=step.decisions, answer=step.answer, contenders=(*step.contenders, *first)
+        )
     return _limited(step, limits, progress)
+
+
+def budget_spent(limits: Limits, progress: Progress) -> tuple[StopReason, str] | None:
+    """Which budget ``progress`` has spent, and that in words; None while both last. A spent budget stops the search
+    and runs nothing more, a largest-batch search's probes included."""
+    if limits.max_runs is not None and progress.runs >= limits.max_runs:
+        return "run_budget_spent", f"the run budget is spent ({progress.runs} of --max-runs {limits.max_runs})"
+    if limits.max_time_s is not None and progress.elapsed_s >= limits.max_time_s:
+        return (
+            "time_spent",
+            (
+                f"the time budget is spent ({progress.elapsed_s:.0f} s of summed run time, --max-time "
+                f"{limits.max_time_s:.0f} s)"
+            ),
+        )
+    return None
 
 
 def _limited(step: Next, limits: Limits, progress: Progress) -> Next:
@@ -216,17 +241,7 @@ def _limited(step: Next, limits: Limits, progress: Progress) -> Next:
     spent. Time is checked here, before each round, and by the runner before each run."""
     if not step.run:
         return step
-    spent = None
-    if limits.max_runs is not None and progress.runs >= limits.max_runs:
-        spent = "run_budget_spent", f"the run budget is spent ({progress.runs} of --max-runs {limits.max_runs})"
-    elif limits.max_time_s is not None and progress.elapsed_s >= limits.max_time_s:
-        spent = (
-            "time_spent",
-            (
-                f"the time budget is spent ({progress.elapsed_s:.0f} s of summed run time, --max-time "
-                f"{limits.max_time_s:.0f} s)"
-            ),
-        )
+    spent = budget_spent(limits, progress)
     if spent is None:
         left = None if limits.max_runs is None else limits.max_runs - progress.runs
         return step if left is None else dataclasses.replace(step, run=step.run[:left])
@@ -235,6 +250,20 @@ def _limited(step: Next, limits: Limits, progress: Progress) -> Next:
         decisions=step.decisions, stop=stop, stop_reason=f"{why}; undecided", answer=step.answer,
         contenders=step.contenders or step.run,
     )  # fmt: skip
+
+
+def _drop_unmeasured(look: _Look) -> None:
+    """Trials whose ok runs gave no usable speed (no steady samples/s) leave the contest, said as a decision: the
+    search cannot rank them, and must not leave them out without a word."""
+    for state in list(look.alive):
+        if not state.rates:
+            look.decide(
+                state,
+                kind="unmeasured",
+                reason=f"no speed measured: its {state.runs} ok run(s) gave no steady samples/s, so it cannot be "
+                "ranked",
+            )
+            look.alive.remove(state)
 
 
 def _drop_over_budget(look: _Look) -> None:
@@ -257,9 +286,10 @@ def _drop_over_budget(look: _Look) -> None:
 def _fastest(look: _Look) -> Next:
     """The fastest-that-fits question: prune what is slower than the leader beyond the noise, then run the leader
     and its strongest undecided challenger."""
-    ranked = sorted((s for s in look.alive if s.rates), key=lambda s: -s.log_mean)
+    ranked = sorted(look.alive, key=lambda s: -s.log_mean)
     if not ranked:
-        return Next(stop="nothing_fits", stop_reason="no trial that fits the budget has a speed measured")
+        fits = " that fits the budget" if look.question.budget_gib is not None else ""
+        return Next(stop="nothing_fits", stop_reason=f"no trial left{fits} has a speed measured")
     leader, others = ranked[0], ranked[1:]
     settled = {s.name: _settled(look, leader, others, s) for s in others}
     undecided = [s for s in others if settled[s.name] is None]
@@ -276,7 +306,9 @@ def _fastest(look: _Look) -> Next:
     run = [s.name for s in (leader, challenger) if s is not None and _may_run(look, s)]
     if not run:
         names = ", ".join(s.name for s in undecided)
-        why = f"{leader.name} and {names} cannot be told apart within the noise " + _spent_words(look, leader)
+        why = f"{leader.name} and {names} cannot be told apart within the noise " + _spent_words(
+            look, [leader, *undecided]
+        )
         return Next(stop="runs_spent", stop_reason=why, answer=leader.name, contenders=tuple(s.name for s in undecided))
     return Next(run=tuple(run), answer=leader.name, contenders=tuple(s.name for s in undecided))
 
@@ -298,14 +330,24 @@ def _may_run(look: _Look, state: TrialState) -> bool:
     return own.df < 1 or own.sd**2 / len(state.rates) > floor.sd**2
 
 
-def _spent_words(look: _Look, leader: TrialState) -> str:
-    """Why no further run can decide, as the end of a sentence."""
+def _spent_words(look: _Look, states: Sequence[TrialState]) -> str:
+    """Why no further run of ``states`` (the leader first) can decide, as the end of a sentence."""
+    counts = {s.runs for s in states}
+    if len(counts) == 1:
+        (n,) = counts
+        ran = f"{n} run{'s' if n != 1 else ''} each"
+    else:
+        first = states[0]
+        ran = listed(
+            [f"{first.runs} run{'s' if first.runs != 1 else ''} of {first.name}"]
+            + [f"{s.runs} of {s.name}" for s in states[1:]]
+        )
     floor = look.question.noise_floor
     if floor is None:
-        return f"after {leader.cap} runs each (measure.repeats): they tie"
+        return f"after {ran} (measure.repeats): they tie"
     return (
         f"after their runs: each mean is known as well as the noise floor allows ({floor.sd:.1%} of one run, "
-        f"{floor.source}) or has had measure.repeats ({leader.cap}) runs: they tie"
+        f"{floor.source}) or has had its measure.repeats runs ({ran}): they tie"
     )
 
 
@@ -442,6 +484,7 @@ __all__ = [
     "Progress",
     "Question",
     "TrialState",
+    "budget_spent",
     "next_step",
     "skip_by_estimate",
     "skip_margin",

@@ -3,6 +3,7 @@ resuming in the middle, the contenders' batch search, and what it refuses before
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -305,3 +306,127 @@ def test_a_search_with_a_recipe_floor_relative_to_the_recipe_resumes(tmp_path, m
     run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=100), report=False, progress=print)
     floor = RunFolder(tmp_path / "run").search().noise_floor
     assert floor is not None and str((tmp_path / "grid").resolve()) in floor.source
+
+
+def _probing(monkeypatch) -> list[str]:
+    """Every largest-batch search answers 16 (first out of memory at 32); returns the trials searched."""
+    searched = []
+
+    def search_trial(spec, row, probe, **_):
+        searched.append(row.trial)
+        result = BatchSearchResult(max_batch_size=16, first_oom_batch_size=32)
+        return BatchSearchRecord(searched=True, result=result, start_from="the trial's batch size")
+
+    monkeypatch.setattr(hfscale.sweep.loop, "search_trial", search_trial)
+    return searched
+
+
+def test_no_probe_runs_once_the_run_budget_is_spent_and_the_answer_so_far_stays(tmp_path, monkeypatch):
+    """A search that decides on exactly its last allowed run: its contender's largest batch is not searched (that
+    costs runs the budget no longer has), and the answer it reached is kept."""
+    launched = scripted_launches(monkeypatch, speed)
+    searched = _probing(monkeypatch)
+    data = {**RECIPE, "trials": [{"name": "a", "batch": "both"}, {"name": "b"}, {"name": "c"}]}
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "whole", report=False, progress=lambda line: None)
+    before_probe = launched.index(("a-maxbatch", 0))
+    launched.clear()
+    searched.clear()
+    run_sweep(
+        write_recipe(tmp_path, data), run_dir=tmp_path / "capped", settings=SweepSettings(max_runs=before_probe),
+        report=False, progress=lambda line: None,
+    )  # fmt: skip
+    assert searched == [] and ("a-maxbatch", 0) not in launched and len(launched) == before_probe
+    summary = RunFolder(tmp_path / "capped").search()  # it ended on its own (a and b tie) as its budget ran out
+    assert summary.answer == "a" and "a-maxbatch" not in summary.contenders, summary
+
+
+def test_a_time_budget_spent_before_every_trial_ran_keeps_the_answer_of_those_that_did(tmp_path, monkeypatch):
+    launched = scripted_launches(monkeypatch, speed)  # every run takes 1 s
+    sweep(tmp_path, "run", max_time_s=3.0)
+    assert launched == [("a", 0), ("b", 0), ("c", 0)]
+    summary = RunFolder(tmp_path / "run").search()
+    assert summary.stop == "time_spent" and summary.answer == "a", summary
+    assert "d" in summary.contenders  # never ran: still in the contest
+
+
+def _failing(monkeypatch, names: set[str]) -> None:
+    """The first run of each trial in ``names`` ends out of memory (wall time 1 s, as the scripted runs)."""
+    from hfscale.launch.rows import planned_row
+
+    inner = hfscale.sweep.loop.launch_trial
+
+    def launch_trial(run, folder, *, baseline, **kw):
+        if run.name in names:
+            return planned_row(run, baseline=baseline, status="oom", reason="CUDA out of memory", wall_time_s=1.0)
+        return inner(run, folder, baseline=baseline, **kw)
+
+    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", launch_trial)
+
+
+def test_the_grids_cost_counts_a_failed_trial_once_and_a_planned_skip_never(tmp_path, monkeypatch):
+    import hfscale.launch.plan as plan
+
+    scripted_launches(monkeypatch, speed)
+    _failing(monkeypatch, {"d"})
+    missing = plan.skip_reason
+    monkeypatch.setattr(
+        plan, "skip_reason", lambda s, **kw: "deepspeed is not installed" if s.name == "c" else missing(s, **kw)
+    )
+    sweep(tmp_path, "run")
+    summary = RunFolder(tmp_path / "run").search()
+    assert summary.grid_runs == 3 + 3 + 0 + 1  # a and b three times, c never launched, d once (it fails)
+
+
+def test_the_grids_time_is_costed_at_full_length_runs(tmp_path, monkeypatch):
+    """A trial pruned after its short first run is costed as the grid would run it: at its full length, its
+    extra steps at its own measured step time."""
+    launched = scripted_launches(monkeypatch, speed)
+    inner = hfscale.sweep.loop.launch_trial
+
+    def timed(run, folder, **kw):  # 1 s to start, then the steps at the trial's own step time
+        row = inner(run, folder, **kw)
+        steps = run.trial.spec.measure.max_steps
+        return dataclasses.replace(row, wall_time_s=1.0 + steps * 4 / speed(run.name, run.repeat))
+
+    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", timed)
+    data = {**RECIPE, "measure": {"warmup_steps": 1, "max_steps": 48, "repeats": 3}}
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    assert launched[:4] == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+    full = {name: 1.0 + 48 * 4 / SPEEDS[name] for name in SPEEDS}  # about: runs differ 1%
+    summary = RunFolder(tmp_path / "run").search()
+    assert summary.grid_estimate_s == pytest.approx(3 * sum(full.values()), rel=0.02)
+
+
+def test_a_trial_whose_runs_gave_no_speed_is_out_and_says_why(tmp_path, monkeypatch):
+    def step_times(name: str, repeat: int) -> list[float]:
+        times = [4 / speed(name, repeat)] * 4
+        if name == "b":
+            times[2] = float("nan")  # no usable speed from its run
+        return times
+
+    launched = scripted_launches(monkeypatch, step_times=step_times)
+    lines: list[str] = []
+    run_sweep(write_recipe(tmp_path, RECIPE), run_dir=tmp_path / "run", report=False, progress=lines.append)
+    summary = RunFolder(tmp_path / "run").search()
+    assert ("b", 1) not in launched and summary.answer == "a"
+    assert any(line.startswith("b: unmeasured: no speed measured") for line in lines), lines
+    assert [(d.trial, d.kind) for d in summary.trace if d.trial == "b"] == [("b", "unmeasured")]
+
+
+def test_an_interrupted_search_is_refused_as_a_noise_floor(tmp_path, monkeypatch):
+    from hfscale.sweep.adaptive import noise_floor_of
+
+    launched = scripted_launches(monkeypatch, speed)
+    inner = hfscale.sweep.loop.launch_trial
+
+    def interrupted(run, folder, **kw):
+        if len(launched) == 6:
+            raise KeyboardInterrupt
+        return inner(run, folder, **kw)
+
+    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", interrupted)
+    with pytest.raises(BaseException):  # noqa: B017 - the sweep's own interrupt, whatever its type
+        sweep(tmp_path, "run")
+    assert not (tmp_path / "run" / "search.json").exists()
+    with pytest.raises(SweepError, match="an adaptive search's run folder"):
+        noise_floor_of(str(tmp_path / "run"))

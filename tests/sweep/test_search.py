@@ -296,3 +296,24 @@ def test_on_a_drifting_machine_the_search_prunes_the_best_unless_given_the_machi
     assert pruned_alone >= 0.10
     assert pruned_floored <= 0.05
     assert runs <= 0.5 * 35
+
+
+def test_runs_spent_says_each_trials_own_run_count():
+    """measure.repeats differs between trials: the sentence gives each one's runs, not the leader's for all."""
+    step = next_step([state("a", 100.0, cap=1), state("b", 99.0, 99.5, 98.7, 99.2, 99.8, cap=5)], *_no_limits())
+    assert step.stop == "runs_spent" and step.answer == "a"
+    assert "after 1 run of a and 5 of b (measure.repeats)" in step.stop_reason, step.stop_reason
+
+
+def _no_limits() -> tuple[Question, Limits, Progress]:
+    return Question(), Limits(), Progress()
+
+
+def test_no_speed_to_rank_says_a_budget_only_where_one_was_given():
+    step = next_step([state("a", out=None), state("b", out="oom: x")], *_no_limits())
+    assert step.run == ("a",)  # never ran: it runs first
+    unmeasured = TrialState(name="a", runs=1, cap=3)  # ran ok, no usable speed
+    step = next_step([unmeasured], *_no_limits())
+    assert [(d.trial, d.kind) for d in step.decisions] == [("a", "unmeasured")]
+    assert "no speed measured" in step.decisions[0].reason
+    assert step.stop == "nothing_fits" and step.stop_reason == "no trial left has a speed measured"
