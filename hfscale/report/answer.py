@@ -153,7 +153,7 @@ def _undecided(summary: Summary) -> Text:
     frame = summary.trials
     if frame.empty or not (frame["status"] == "ok").any():
         return why + rich(" Nothing to rank: see the trials that did not finish ok below.")
-    if rec.undecided == "unmeasured":
+    if rec.undecided == "none_qualifies":
         return why + rich(" Nothing to rank: the Recommendation below names the ok trials left out, and why.")
     if rec.undecided == "too_large":
         return why + rich(" More runs cannot change that: a strategy that needs less memory, or a larger budget, can.")

@@ -52,9 +52,10 @@ class Recommendation:
     """Other trials whose speed cannot be told apart from the fastest's (named in ``lines``)."""
     lines: tuple[Text, ...]
     """The recommendation in sentences, as the report prints it."""
-    undecided: Literal["unmeasured", "too_large", "unstable"] | None = None
-    """Why no trial is recommended on speed: no ok trial has both figures, none fits the budget (more runs change
-    neither), or the fastest by its figure may be unstable; None when one is."""
+    undecided: Literal["none_qualifies", "too_large", "unstable"] | None = None
+    """Why no trial is recommended on speed: no ok trial qualifies (both figures measured, its loss not flagged),
+    none fits the budget (more runs change neither), or the fastest by its figure may be unstable; None when one
+    is."""
 
 
 def _f(value: float | None, digits: int) -> str:
@@ -183,7 +184,7 @@ def _fastest_lines(
                 "**{name}** is marked only because {why}.",
                 fits=", ".join(_fit_text(r) for r in tied),
                 name=leader["trial"],
-                why=_marked_for(leader, tied, "samples_per_s", "its point estimate is the highest"),
+                why=_why_fastest_marked(leader, tied),
             )
         )
         return leader, line + left_out, tuple(n for n in names if n != leader["trial"])
@@ -208,20 +209,28 @@ def _fastest_lines(
     return best, line + left_out, tuple(n for n in names if n != best["trial"])
 
 
-def _marked_for(chosen: pd.Series, tied: list[pd.Series], key: str, why: str) -> str:
-    """Why ``chosen`` is the one marked among ``tied``: ``why`` where its ``key`` is strictly the best (highest
-    speed, or lowest memory when ``why`` says so), else that the figures are equal and it was listed first."""
-    others = [r[key] for r in tied if r["trial"] != chosen["trial"]]
-    best = chosen[key] < min(others) if "lowest" in why else chosen[key] > max(others)
-    return why if best else "it is listed first (their figures are equal)"
+def _why_fastest_marked(leader: pd.Series, tied: list[pd.Series]) -> str:
+    """Why ``leader`` is the one marked among ``tied`` trials of equal memory: the order :func:`pick_fastest` ranks
+    them in (speed, then memory, then the table's order), said as it applies."""
+    others = [r for r in tied if r["trial"] != leader["trial"]]
+    if all(leader["samples_per_s"] > r["samples_per_s"] for r in others):
+        return "its point estimate is the highest"
+    level = [r for r in others if r["samples_per_s"] == leader["samples_per_s"]]
+    if all(leader["fit_gib"] < r["fit_gib"] for r in level):
+        return "of those with the highest point estimate it needs the least memory"
+    return "it comes first in the table (their figures are equal)"
 
 
-def _least_memory_marked_for(chosen: pd.Series, tied: list[pd.Series]) -> str:
-    """Why the trial marked for the least memory is marked: its lower figure, or at equal memory its higher speed."""
-    why = _marked_for(chosen, tied, "fit_gib", "its memory figure is the lowest")
-    if why.startswith("its"):
-        return why
-    return _marked_for(chosen, tied, "samples_per_s", "its memory figure is as low and its speed figure the highest")
+def _why_frugal_marked(leader: pd.Series, tied: list[pd.Series]) -> str:
+    """Why ``leader`` is the one marked among ``tied`` trials of equal speed: memory, then speed, then the table's
+    order (the order :func:`_frugal_lines` sorts them in), said as it applies."""
+    others = [r for r in tied if r["trial"] != leader["trial"]]
+    if all(leader["fit_gib"] < r["fit_gib"] for r in others):
+        return "its memory figure is the lowest"
+    level = [r for r in others if r["fit_gib"] == leader["fit_gib"]]
+    if all(leader["samples_per_s"] > r["samples_per_s"] for r in level):
+        return "of those with the lowest memory figure its point estimate of speed is the highest"
+    return "it comes first in the table (their figures are equal)"
 
 
 def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Series, list[Text]]:
@@ -253,7 +262,7 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
             rich(
                 "Their speeds tie too, so either will do; **{name}** is marked only because {why}.",
                 name=leader["trial"],
-                why=_least_memory_marked_for(leader, tied),
+                why=_why_frugal_marked(leader, tied),
             )
         )
         return leader, lines
@@ -263,7 +272,7 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
                 "Speed does not break the tie: no test shows one of them faster than all the others (some tie, or "
                 "have fewer than two runs, or may be unstable); **{name}** is marked only because {why}.",
                 name=leader["trial"],
-                why=_least_memory_marked_for(leader, tied),
+                why=_why_frugal_marked(leader, tied),
             )
         )
         return leader, lines
@@ -445,10 +454,13 @@ def recommend(
     evidence = evidence if evidence is not None else sweep_noise({})
     pool = _pool(frame)
     if pool.candidates.empty:
-        line = rich("No trial finished ok with both throughput and memory measured, so nothing can be recommended.")
+        line = rich(
+            "No trial qualifies (status ok, throughput and memory measured, a loss the parity check did not flag), so "
+            "nothing can be recommended."
+        )
         return Recommendation(
             budget_bytes=budget, budget_source=source, fastest=None, most_frugal=None,
-            lines=(line, *_left_out_lines(pool, frame)), undecided="unmeasured",
+            lines=(line, *_left_out_lines(pool, frame)), undecided="none_qualifies",
         )  # fmt: skip
     fastest, said, ties = _speed_lines(pool, budget, source, evidence)
     lines = list(said)

@@ -57,9 +57,10 @@ def search_paragraphs(search: SearchSummary) -> tuple[Text, ...]:
         rich("Question: {q}. Stopped ({stop}): {why}.", q=search.question, stop=search.stop, why=search.stop_reason),
         plain(
             f"Spent {cost_phrase(search)}. The grid's time is estimated from this run's own measurements: each trial's "
-            "median wall time per run times its measure.repeats (once for a trial skipped on its estimate: the grid "
-            "does not repeat a failed first run; the median over all runs for a trial that never ran); batch-search "
-            "probes are counted in neither."
+            "median wall time per run at full length (a shortened first run lengthened by its left-out steps at its "
+            "own mean step time) times its measure.repeats: once for a trial whose first run failed or that was "
+            "skipped on its estimate (the grid does not repeat a failed first run), never for one the sweep does not "
+            "launch; the median over all runs for a trial that never ran. Batch-search probes are counted in neither."
         ),
         plain(
             f"A pruned trial's speed ratio to the leader had its {search.confidence:.0%} interval below 1 and its "

@@ -39,9 +39,8 @@ from hfscale.sweep.search import (
     TrialState,
     budget_spent,
     next_step,
-    skip_by_estimate,
-    skip_margin,
 )
+from hfscale.sweep.skip import skip_by_estimate, skip_margin
 
 Key = tuple[str, int]
 
@@ -269,7 +268,7 @@ def grid_cost(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -
     """Runs the grid would make and the time they would take: every trial ``measure.repeats`` times, but once for a
     trial whose first run failed or that the search skipped on its estimate (the grid does not repeat a trial whose
     first run fails, and that one is expected to), and never one the sweep does not launch (a missing dependency);
-    each run at the trial's median wall time at full length (:func:`_full_run_walls`), the median over all trials'
+    each run at the trial's median wall time at full length (:func:`_full_run_walls`), the median over all runs
     for a trial that never ran."""
     walls = _full_run_walls(firsts, stored)
     counts = {run.name: _grid_runs(run, stored) for run in firsts}
@@ -286,8 +285,8 @@ def _grid_runs(run: PlannedRun, stored: Mapping[Key, TrialResult]) -> int:
     if run.skip_reason is not None:
         return 0
     first = stored.get((run.name, 0))
-    if first is not None and (first.status not in ("ok", "pruned") or first.search is not None):
-        return 1  # failed on its first run, or skipped on the estimate (and expected to fail)
+    if first is not None and (first.status not in ("ok", "not_applied") or first.search is not None):
+        return 1  # failed on its first run (the grid repeats only ok and not_applied), or skipped on the estimate
     return run.trial.spec.measure.repeats
 
 

@@ -14,7 +14,7 @@ from hfscale.records.search import NoiseFloor
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
 from hfscale.sweep.adaptive import noise_floor_of, question_of, search_settings
-from hfscale.sweep.search import DEFAULT_SKIP_MARGIN, skip_by_estimate
+from hfscale.sweep.skip import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
 def dry_run_lines(

@@ -8,8 +8,8 @@ the same function drives a real sweep (:mod:`hfscale.sweep.loop`) and the simula
 
 In order (``docs/search.md`` explains each choice):
 
-1. **Skip** (before anything runs, :func:`skip_by_estimate`): a trial whose predicted peak does not fit the budget
-   even if the estimate over-predicts by its measured error (:func:`skip_margin`).
+1. **Skip** (before anything runs, :mod:`hfscale.sweep.skip`): a trial whose predicted peak does not fit the budget
+   even if the estimate over-predicts by its measured error.
 2. **First runs**: one short run of every surviving trial (its warm-up detected from its step times).
 3. **Over budget**: a trial whose measured peak does not fit is out (its rows stay).
 4. **Prune**: a trial slower than the leader beyond the noise: the ratio of geometric means over runs with the
@@ -57,12 +57,6 @@ from hfscale.results.stats import (
 )
 
 UNSTEADY_NOTE = "; its runs did not reach a steady state by MSER's rule (the figure is after the detected warm-up)"
-
-DEFAULT_SKIP_MARGIN = 0.25
-"""How much the estimate may over-predict a peak before a run says so: 25%, the largest over-prediction in the
-rows of ``results/bert_large-h100`` (bs4-adafactor: 5.62 GiB predicted, 4.50 GiB measured peak allocated; its
-estimate was made before the rule of ``docs/estimate.md`` was fitted). ``tests/sweep/test_search.py`` recomputes it
-from those rows. A run's own rows widen it when the estimate over-predicts more there."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,26 +164,6 @@ class _Look:
         self.decisions.append(decision)
 
 
-def skip_margin(errors: Sequence[float]) -> float:
-    """How much the estimate may over-predict: the largest over-prediction measured in this run (``errors``:
-    predicted / measured - 1 of its ok rows), and never less than :data:`DEFAULT_SKIP_MARGIN`."""
-    return max([DEFAULT_SKIP_MARGIN, *(e for e in errors if math.isfinite(e))])
-
-
-def skip_by_estimate(predicted_gib: float | None, budget_gib: float | None, margin: float) -> str | None:
-    """Why a trial is not run: its predicted peak does not fit ``budget_gib`` even if the estimate over-predicts by
-    ``margin``; None when it may fit (or there is no estimate or no budget)."""
-    if predicted_gib is None or budget_gib is None:
-        return None
-    lowest = predicted_gib / (1 + margin)
-    if lowest <= budget_gib:
-        return None
-    return (
-        f"predicted peak {predicted_gib:.2f} GiB: even {margin:.0%} below it ({lowest:.2f} GiB, the estimate's "
-        f"largest measured over-prediction) it does not fit the budget of {budget_gib:.2f} GiB"
-    )
-
-
 def next_step(states: Sequence[TrialState], question: Question, limits: Limits, progress: Progress) -> Next:
     """The search's next move from the evidence in ``states`` (every trial of the sweep, decided ones included: their
     runs count in the pooled noise)."""
@@ -212,12 +186,23 @@ def next_step(states: Sequence[TrialState], question: Question, limits: Limits, 
         run=step.run, decisions=tuple(look.decisions), stop=step.stop, stop_reason=step.stop_reason,
         answer=step.answer, contenders=step.contenders,
     )  # fmt: skip
-    if first:  # a budget ran out before every trial ran once: the answer so far, the trials never run still in it
+    if first:  # a budget ran out before every trial ran once: the answer so far, every other trial still in it
         spent = _limited(Next(run=first), limits, progress)
-        return dataclasses.replace(
-            spent, decisions=step.decisions, answer=step.answer, contenders=(*step.contenders, *first)
-        )
-    return _limited(step, limits, progress)
+        # Nothing is decided on this partial look: its intervals are over fewer trials than the full look's, so
+        # a prune here could be one the whole search would not make (and a resumed search would keep).
+        others = tuple(s.name for s in alive if s.name != step.answer)
+        return dataclasses.replace(spent, answer=step.answer, contenders=others)
+    return _limited(_said_unranked(step, look), limits, progress)
+
+
+def _said_unranked(step: Next, look: _Look) -> Next:
+    """``step``, its stop reason naming the trials left unranked for want of a speed (an answer "of the trials at
+    X samples/s" or "the fastest" says nothing of them otherwise)."""
+    unranked = [d.trial for d in look.decisions if d.kind == "unmeasured"]
+    if step.stop in (None, "nothing_fits") or not unranked:  # nothing_fits says so itself
+        return step
+    why = f"{step.stop_reason}; not ranked, no speed measured: {', '.join(unranked)}"
+    return dataclasses.replace(step, stop_reason=why)
 
 
 def budget_spent(limits: Limits, progress: Progress) -> tuple[StopReason, str] | None:
@@ -260,8 +245,8 @@ def _drop_unmeasured(look: _Look) -> None:
             look.decide(
                 state,
                 kind="unmeasured",
-                reason=f"no speed measured: its {state.runs} ok run(s) gave no steady samples/s, so it cannot be "
-                "ranked",
+                reason=f"no speed measured: {_runs_of(state.runs, 'ok run')} gave no steady samples/s, so it cannot "
+                "be ranked",
             )
             look.alive.remove(state)
 
@@ -288,8 +273,7 @@ def _fastest(look: _Look) -> Next:
     and its strongest undecided challenger."""
     ranked = sorted(look.alive, key=lambda s: -s.log_mean)
     if not ranked:
-        fits = " that fits the budget" if look.question.budget_gib is not None else ""
-        return Next(stop="nothing_fits", stop_reason=f"no trial left{fits} has a speed measured")
+        return Next(stop="nothing_fits", stop_reason=_nothing_left_words(look))
     leader, others = ranked[0], ranked[1:]
     settled = {s.name: _settled(look, leader, others, s) for s in others}
     undecided = [s for s in others if settled[s.name] is None]
@@ -313,6 +297,20 @@ def _fastest(look: _Look) -> Next:
     return Next(run=tuple(run), answer=leader.name, contenders=tuple(s.name for s in undecided))
 
 
+def _nothing_left_words(look: _Look) -> str:
+    """Why no trial is left to rank, from this look's decisions: none fits the budget, none has a speed, or both."""
+    kinds = {d.kind for d in look.decisions}
+    over, unmeasured = "over_budget" in kinds, "unmeasured" in kinds
+    if over and unmeasured:
+        return "no trial left both fits the budget and has a speed measured"
+    return "no trial left fits the budget" if over else "no trial left has a speed measured"
+
+
+def _runs_of(n: int, what: str = "run") -> str:
+    """``1 run``, ``2 runs``."""
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
 def _may_run(look: _Look, state: TrialState) -> bool:
     """Whether another run of ``state`` may narrow its mean: it has runs left, and with a noise floor it has fewer
     than the two runs a verdict needs (a single run could be a disturbed one; the report tests every trial on two)
@@ -334,14 +332,10 @@ def _spent_words(look: _Look, states: Sequence[TrialState]) -> str:
     """Why no further run of ``states`` (the leader first) can decide, as the end of a sentence."""
     counts = {s.runs for s in states}
     if len(counts) == 1:
-        (n,) = counts
-        ran = f"{n} run{'s' if n != 1 else ''} each"
+        ran = f"{_runs_of(states[0].runs)} each"
     else:
-        first = states[0]
-        ran = listed(
-            [f"{first.runs} run{'s' if first.runs != 1 else ''} of {first.name}"]
-            + [f"{s.runs} of {s.name}" for s in states[1:]]
-        )
+        first, *rest = states
+        ran = listed([f"{_runs_of(first.runs)} of {first.name}", *(f"{s.runs} of {s.name}" for s in rest)])
     floor = look.question.noise_floor
     if floor is None:
         return f"after {ran} (measure.repeats): they tie"
@@ -409,9 +403,7 @@ def _frugal(look: _Look, floor: float) -> Next:
     by_memory = sorted(look.alive, key=lambda s: (s.fit_gib if s.fit_gib is not None else math.inf, s.name))
     noise, question = look.noise, look.question
     undecided: list[TrialState] = []
-    for state in by_memory:
-        if not state.rates:
-            continue
+    for state in by_memory:  # every one has a speed (_drop_unmeasured)
         own = noise if look.shared else pooled_noise({state.name: state.rates})
         level = _level(own, state, len(by_memory), question)
         if level is not None and level.high < floor:
@@ -478,7 +470,6 @@ def _level(noise: RunNoise, state: TrialState, trials: int, question: Question) 
 
 
 __all__ = [
-    "DEFAULT_SKIP_MARGIN",
     "Limits",
     "Next",
     "Progress",
@@ -486,6 +477,4 @@ __all__ = [
     "TrialState",
     "budget_spent",
     "next_step",
-    "skip_by_estimate",
-    "skip_margin",
 ]

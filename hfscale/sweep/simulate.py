@@ -17,14 +17,13 @@ import numpy as np
 from hfscale.results.simulate import NoiseModel, drift, interleaved_ticks, step_times
 from hfscale.sweep.adaptive import MIN_SHORT_STEPS, SHORT_FRACTION
 from hfscale.sweep.search import (
-    DEFAULT_SKIP_MARGIN,
     Limits,
     Progress,
     Question,
     TrialState,
     next_step,
-    skip_by_estimate,
 )
+from hfscale.sweep.skip import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -133,7 +133,7 @@ def test_no_runs_are_advised_where_more_runs_cannot_decide() -> None:
     assert "run each trial" not in text and "More runs cannot change that" in text, text
     unmeasured = [_without_memory(row) for row in too_big]
     text = as_plain(answer(report.summarize(unmeasured)))
-    assert text.startswith("No trial finished ok with both throughput and memory measured"), text
+    assert text.startswith("No trial qualifies (status ok, throughput and memory measured"), text
     assert "run each trial" not in text and "more minutes" not in text, text
 
 

@@ -79,10 +79,38 @@ def test_the_budget_table_says_when_a_speed_up_is_untested() -> None:
     assert cells["b"].endswith(" untested"), cells
 
 
-def test_equal_figures_are_not_called_higher_or_lower() -> None:
-    """Two trials with the same speed and memory figures: neither is "marked because its point estimate is higher"
-    nor "for its lower point figure"."""
-    base = Strategy(name="a")
-    rows = [ok_row("a", base, 10.0, 4.0, is_baseline=True), ok_row("b", base.replace(name="b"), 10.0, 4.0)]
+def _rows(*figures: tuple[str, float, float]) -> list:
+    """One single-run ok row per (name, samples/s, peak GiB), the first the baseline."""
+    return [
+        ok_row(name, Strategy(name=name), speed, peak, is_baseline=k == 0)
+        for k, (name, speed, peak) in enumerate(figures)
+    ]
+
+
+def test_why_a_tied_trial_is_the_one_marked_is_said_as_it_was_chosen() -> None:
+    """Among trials that tie, the one marked is chosen by speed, then memory, then the table's order (or memory,
+    then speed, for the least memory): the sentence says which of those decided, never a figure that is equal."""
+    equal = _lines(report.summarize(_rows(("a", 10.0, 4.0), ("b", 10.0, 4.0))))
+    assert "a is marked only because it comes first in the table (their figures are equal)" in equal, equal
+    assert "is higher" not in equal and "lower point figure" not in equal, equal
+    # The same speed, b a little smaller (within 2%): b, for its memory.
+    smaller = _lines(report.summarize(_rows(("a", 10.0, 4.05), ("b", 10.0, 4.0))))
+    assert "b is marked only because of those with the highest point estimate it needs the least memory" in smaller
+    # The least memory: a and b at 10.0 GiB, c at 10.1 (within 2%) and faster than both: a, faster than b.
+    frugal = _lines(report.summarize(_rows(("a", 100.0, 10.0), ("b", 90.0, 10.0), ("c", 101.0, 10.1))))
+    assert "of those with the lowest memory figure its point estimate of speed is the highest" in frugal, frugal
+
+
+def test_no_trial_qualifies_says_so_when_the_only_measured_one_is_flagged() -> None:
+    """The baseline has no memory figure, b has both but its loss was flagged: no trial qualifies, which is not
+    "no trial has both figures"."""
+    from hfscale.records.parity import ParityResult
+
+    flagged = ParityResult(flagged=True, compared=True, reason="loss diverged", baseline="base")
+    rows = [
+        _without(ok_row("base", Strategy(name="base"), 10.0, 4.0, is_baseline=True), "memory"),
+        ok_row("b", Strategy(name="b"), 12.0, 4.0, parity=flagged),
+    ]
     text = _lines(report.summarize(rows))
-    assert "is higher" not in text and "lower point figure" not in text, text
+    assert text.startswith("No trial qualifies (status ok, throughput and memory measured, a loss"), text
+    assert "b (loss diverged)" in text and "base (no memory figure)" in text, text

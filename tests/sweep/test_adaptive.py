@@ -430,3 +430,48 @@ def test_an_interrupted_search_is_refused_as_a_noise_floor(tmp_path, monkeypatch
     assert not (tmp_path / "run" / "search.json").exists()
     with pytest.raises(SweepError, match="an adaptive search's run folder"):
         noise_floor_of(str(tmp_path / "run"))
+
+
+def test_a_trial_that_ran_but_did_not_apply_is_costed_at_every_repeat_as_the_grid_runs_it(tmp_path, monkeypatch):
+    launched = scripted_launches(monkeypatch, speed)
+    inner = hfscale.sweep.loop.launch_trial
+
+    def not_applied(run, folder, **kw):
+        row = inner(run, folder, **kw)
+        if run.name != "d":
+            return row
+        measured = dataclasses.replace(row.measured, status="not_applied", reason="ZeRO stage 0 ran")
+        return dataclasses.replace(row, status="not_applied", reason="ZeRO stage 0 ran", measured=measured)
+
+    monkeypatch.setattr(hfscale.sweep.loop, "launch_trial", not_applied)
+    run_sweep(
+        write_recipe(tmp_path, {**RECIPE, "sweep": {"search": "grid"}}), run_dir=tmp_path / "grid", report=False,
+        progress=lambda line: None,
+    )  # fmt: skip
+    grid_launches = len(launched)
+    sweep(tmp_path, "search")
+    assert RunFolder(tmp_path / "search").search().grid_runs == grid_launches == 12
+
+
+def test_a_budget_spent_inside_the_first_round_decides_nothing_a_resume_would_not(tmp_path, monkeypatch):
+    """Six trials, a 2% noise floor (one run can prune): stopped after two first runs, a look at those two alone
+    would prune b on intervals over two trials rather than six. The resumed search must launch what an
+    uninterrupted one does."""
+    speeds = {"a": 100.0, "b": 94.0, "c": 90.0, "d": 90.0, "e": 90.0, "f": 90.0}
+    launched = scripted_launches(monkeypatch, lambda name, repeat: speeds[name] * (1 + 0.001 * (-1) ** repeat))
+    data = {**RECIPE, "trials": [{"name": name} for name in speeds]}
+    floor = SweepSettings(noise_floor="2%")
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "whole", settings=floor, report=False,
+              progress=lambda line: None)  # fmt: skip
+    whole = list(launched)
+    launched.clear()
+    capped = SweepSettings(noise_floor="2%", max_runs=2)
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "parts", settings=capped, report=False,
+              progress=lambda line: None)  # fmt: skip
+    stopped = RunFolder(tmp_path / "parts").search()
+    assert stopped.stop == "run_budget_spent" and stopped.trace == () and stopped.answer == "a"
+    assert stopped.contenders == ("b", "c", "d", "e", "f")
+    run_sweep(
+        None, resume=tmp_path / "parts", settings=SweepSettings(max_runs=100), report=False, progress=lambda _: None
+    )
+    assert launched == whole

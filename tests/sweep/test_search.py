@@ -3,45 +3,14 @@ known (hfscale.sweep.simulate)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from helpers.paths import REPO
 
 from hfscale.records.search import NoiseFloor
 from hfscale.results.simulate import NoiseModel, sweep_runs
 from hfscale.results.stats import pooled_noise
-from hfscale.sweep.search import (
-    DEFAULT_SKIP_MARGIN,
-    Limits,
-    Progress,
-    Question,
-    TrialState,
-    next_step,
-    skip_by_estimate,
-    skip_margin,
-)
+from hfscale.sweep.search import Limits, Progress, Question, TrialState, next_step
 from hfscale.sweep.simulate import SimTrial, grid_answer, simulate_search
-
-
-def test_the_default_margin_is_the_largest_over_prediction_of_the_committed_h100_rows():
-    errors = []
-    for line in (REPO / "results" / "bert_large-h100" / "results.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        memory = (row.get("measured") or row).get("memory") or {}
-        if row["status"] == "ok" and row.get("estimate") and memory.get("peak_gib"):
-            errors.append(row["estimate"]["total_gib"] / memory["peak_gib"] - 1)
-    assert max(errors) == pytest.approx(DEFAULT_SKIP_MARGIN, abs=0.005)
-    assert skip_margin(errors) == DEFAULT_SKIP_MARGIN
-    assert skip_margin([0.4, float("nan")]) == 0.4  # a run's own larger error widens it
-
-
-def test_skip_only_what_cannot_fit_even_if_the_estimate_over_predicts_by_the_margin():
-    assert skip_by_estimate(1.2, 1.0, 0.25) is None  # 1.2 / 1.25 = 0.96 may fit
-    why = skip_by_estimate(1.3, 1.0, 0.25)
-    assert why is not None and "1.30 GiB" in why and "25%" in why and "1.00 GiB" in why
-    assert skip_by_estimate(None, 1.0, 0.25) is None and skip_by_estimate(9.0, None, 0.25) is None
 
 
 def state(name: str, *rates: float, cap: int = 5, fit: float = 1.0, **kw) -> TrialState:
@@ -317,3 +286,15 @@ def test_no_speed_to_rank_says_a_budget_only_where_one_was_given():
     assert [(d.trial, d.kind) for d in step.decisions] == [("a", "unmeasured")]
     assert "no speed measured" in step.decisions[0].reason
     assert step.stop == "nothing_fits" and step.stop_reason == "no trial left has a speed measured"
+    too_large = next_step([state("a", 100.0, fit=9.0)], Question(budget_gib=8.0), Limits(), Progress())
+    assert too_large.stop == "nothing_fits" and too_large.stop_reason == "no trial left fits the budget"
+
+
+def test_the_least_memory_answer_names_a_smaller_trial_it_could_not_rank():
+    """u needs less memory than the answer but gave no speed: the stop reason says it was not ranked."""
+    unmeasured = TrialState(name="u", runs=1, cap=3, fit_gib=1.0)
+    step = next_step(
+        [unmeasured, state("a", 100.0, 101.0, 99.5, fit=2.0)], Question(min_samples_per_s=80.0), *_no_limits()[1:]
+    )
+    assert step.stop == "decided" and step.answer == "a"
+    assert step.stop_reason.endswith("; not ranked, no speed measured: u"), step.stop_reason
