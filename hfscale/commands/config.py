@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from hfscale.configs.accelerate import user_command
+from hfscale.core.files import os_error_text
 from hfscale.strategy import (
     AttnImplementation,
     CompileMode,
@@ -112,11 +113,21 @@ def _fsdp_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tcp_port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port between 1 and 65535, got {port}")
+    return port
+
+
 def _lora_options(parser: argparse.ArgumentParser) -> None:
     lora = parser.add_argument_group("LoRA / QLoRA through peft (on when --lora-rank is given)")
     lora.add_argument("--lora-rank", type=int, help="rank of the adapters")
-    lora.add_argument("--lora-alpha", type=int, default=16, help="scaling numerator (default: %(default)s)")
-    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    lora.add_argument("--lora-alpha", type=int, help="scaling numerator (default: 16)")
+    lora.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default: 0)")
     lora.add_argument("--lora-target", nargs="+", help="module names to adapt (default: peft's for the model type)")
     lora.add_argument("--qlora", action="store_true", help="store the frozen base's Linear weights in 4-bit NF4")
 
@@ -142,7 +153,7 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--num-machines", type=int, default=1, help="default: %(default)s")
     dist.add_argument("--machine-rank", type=int, default=0, help="this machine's rank (default: %(default)s)")
     dist.add_argument("--main-process-ip", help="address of machine 0 (needed with --num-machines > 1)")
-    dist.add_argument("--main-process-port", type=int, help="rendezvous port on machine 0")
+    dist.add_argument("--main-process-port", type=_tcp_port, help="rendezvous port on machine 0 (1-65535)")
     dist.add_argument(
         "--data-parallel",
         choices=("ddp", "dp"),
@@ -190,15 +201,15 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         raise StrategyError("--fsdp-cpu-offload and --fsdp-layer-cls configure FSDP: add --fsdp")
     lora = None
     if args.lora_rank is not None:
+        given = {"alpha": args.lora_alpha, "dropout": args.lora_dropout}
         lora = LoraSpec(
             rank=args.lora_rank,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
             target_modules=tuple(args.lora_target) if args.lora_target else None,
             quantize_base="4bit" if args.qlora else "none",
+            **{key: value for key, value in given.items() if value is not None},
         )
-    elif args.lora_target or args.qlora:
-        raise StrategyError("--lora-target and --qlora configure LoRA: add --lora-rank")
+    elif args.lora_target or args.qlora or args.lora_alpha is not None or args.lora_dropout is not None:
+        raise StrategyError("--lora-target, --lora-alpha, --lora-dropout and --qlora configure LoRA: add --lora-rank")
     return Strategy(
         name=args.name,
         device=args.device,
@@ -276,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (StrategyError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: argument --out: cannot write the configs: {os_error_text(exc)}", file=sys.stderr)
         return 2
 
     print(f"strategy: {strategy.describe()}")

@@ -134,8 +134,11 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
                 model = dataclasses.replace(model, config={**model.config, **overrides}, task=args.task or model.task)
             data = spec.data if args.seq_len is None else dataclasses.replace(spec.data, seq_len=args.seq_len)
             changed.append(dataclasses.replace(spec, strategy=strategy, model=model, data=data))
+        for spec in changed[:1] if overrides else ():
+            _check_config_keys(spec.model)
         return changed
     model = ModelSpec(type=target, task=args.task or "classification", config=overrides)
+    _check_config_keys(model)
     data = DataSpec(seq_len=args.seq_len or DataSpec().seq_len)
     strategies = default_strategies(
         num_gpus=args.num_gpus or 1,
@@ -144,6 +147,18 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
         device=args.device or "cuda",
     )
     return [TrialSpec(name=s.name, strategy=s, model=model, data=data) for s in strategies]
+
+
+def _check_config_keys(model: ModelSpec) -> None:
+    """Refuse a ``--config`` key the model's config class does not have, as a recipe's is refused (transformers
+    would keep it as an unused attribute, and the estimate would silently be of the default model)."""
+    from hfscale.core.validation import Invalid
+    from hfscale.recipes.checks import check_config_keys
+
+    try:
+        check_config_keys(model)
+    except Invalid as exc:
+        raise ValueError(f"--config {exc.path.removeprefix('model.config.')}: {exc.message}") from None
 
 
 def _gib_cell(value: float) -> str:
@@ -209,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, StrategyError, FileNotFoundError, ImportError) as exc:
         print(f"hfscale estimate: {exc}", file=sys.stderr)
         return 2
-    except (RuntimeError, TypeError, _config_error()) as exc:  # transformers/torch rejecting a config value
+    except (RuntimeError, TypeError, ArithmeticError, _config_error()) as exc:  # transformers/torch refusing a value
         print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
         return 2
     if args.json:

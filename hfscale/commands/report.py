@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hfscale.core.files import os_error_text
 from hfscale.core.units import parse_memory_size
 from hfscale.report.analysis import ReportError, summarize_run
 from hfscale.report.compare import regressions, workload_difference, write_comparison_of
@@ -84,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"hfscale report: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"hfscale report: error: cannot write the report: {os_error_text(exc)}", file=sys.stderr)
+        return 2
     for path in (paths.markdown, paths.html, paths.csv, *paths.figures):
         print(path)
     return 0
@@ -137,6 +141,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         paths, tests = write_comparison_of(*summaries, out_dir=args.out)
     except ImportError as exc:
         print(f"hfscale compare: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"hfscale compare: error: cannot write the comparison: {os_error_text(exc)}", file=sys.stderr)
         return 2
     for path in (paths.markdown, paths.html, paths.csv, *paths.figures):
         print(path)

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hfscale.commands.sweep import driver_port
+from hfscale.core.files import os_error_text
 from hfscale.sweep.slurm import SlurmJob
 
 
@@ -40,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, help="write the script here (default: print it)")
     parser.add_argument("--main-addr", default="MAIN_HOST", help="machine 0's address in the by-hand commands")
-    parser.add_argument("--port", type=int, default=29500, help="the drivers' port in the by-hand commands")
+    parser.add_argument(
+        "--port", type=driver_port, default=29500, help="the drivers' port in the by-hand commands (1024-64511)"
+    )
     return parser
 
 
@@ -75,7 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is None:
         print(script, end="")
     else:
-        args.out.write_text(script, encoding="utf-8")
+        try:
+            args.out.write_text(script, encoding="utf-8")
+        except OSError as exc:
+            print(f"hfscale slurm: error: argument --out: {os_error_text(exc)}", file=sys.stderr)
+            return 2
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")
     # With the script on stdout (`hfscale slurm ... > job.sbatch`), the by-hand commands go to stderr.
     out = sys.stderr if args.out is None else sys.stdout

@@ -36,6 +36,17 @@ from hfscale.sweep.outcome import (
 logger = logging.getLogger(__name__)
 
 
+def driver_port(text: str) -> int:
+    """An ``argparse`` type: the drivers' port, with room above it for a trial's rendezvous (PORT + 1 + i)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1024 <= port <= 65535 - 1024:
+        raise argparse.ArgumentTypeError(f"must be between 1024 and 64511 (trials rendezvous above it), got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``hfscale sweep``'s parser; the options of :class:`SweepSettings` come from its fields' metadata."""
     parser = argparse.ArgumentParser(
@@ -93,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     machines.add_argument("--main-process-ip", metavar="HOST", help="machine 0's address, the same on every machine")
     machines.add_argument(
         "--main-process-port",
-        type=int,
+        type=driver_port,
         default=29500,
         metavar="PORT",
         help="machine 0's port for the drivers; trial i rendezvouses on PORT + 1 + i (default %(default)s)",
@@ -105,7 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         "without HFSCALE_SWEEP_TOKEN only a loopback address)",
     )
     parser.add_argument("--no-report", action="store_true", help="do not write report.md/report.html at the end")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level (default INFO)",
+    )
     return parser
 
 
@@ -137,8 +154,6 @@ def machine_launch(args: argparse.Namespace, given: SweepSettings, launch: Launc
         raise ValueError("several machines need --num-machines N, --machine-rank K and --main-process-ip HOST together")
     if not 0 <= args.machine_rank < given.num_machines:
         raise ValueError(f"--machine-rank {args.machine_rank} is out of range for --num-machines {given.num_machines}")
-    if not 1024 <= args.main_process_port <= 65535 - 1024:
-        raise ValueError(f"--main-process-port must be between 1024 and 64511, got {args.main_process_port}")
     return LaunchInfo(
         machine_rank=args.machine_rank,
         num_machines=given.num_machines,
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, OSError) as exc:
         print(f"hfscale sweep: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     launch = LaunchInfo.from_env()
     if not launch.is_driver:
         # The driver on local rank 0 of this machine runs every trial; a second driver would run them twice.

@@ -1,10 +1,16 @@
-"""Files and times: one atomic write, one UTC timestamp, so every record on disk is whole and stamped alike."""
+"""Files and times: one atomic write, one UTC timestamp, so every record on disk is whole and stamped alike; and
+whether a folder can be written at all, found before the work rather than after it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def utc_now() -> str:
@@ -39,3 +45,53 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, fsync: bool
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def os_error_text(exc: OSError) -> str:
+    """``PATH: Not a directory``: the path the system refused and why, for a one-line error (``str(exc)`` carries
+    the errno too)."""
+    return f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+
+
+LOW_SPACE_BYTES = 256 * 2**20
+"""Free space below which :func:`check_writable` warns: a sweep that fills its disk stops there."""
+
+
+def check_writable(folders: tuple[Path, ...]) -> int | None:
+    """Write, sync and remove a small file in each of ``folders`` (made where missing), so that a read-only or full
+    disk is found before work starts rather than after it. Returns the free bytes in the first (None where
+    unknown); below :data:`LOW_SPACE_BYTES` a warning is logged.
+
+    Raises:
+        OSError: from the first that cannot be written (its ``filename`` names the path).
+    """
+    for folder in folders:
+        probe = folder / ".write-check"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as fh:
+                fh.write(b"hfscale checks that this folder can be written\n" * 64)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            if exc.filename is None:  # a failed write or sync names no path: the probe's (or its missing folder)
+                exc.filename = str(probe if folder.is_dir() else folder)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
+    try:
+        free = shutil.disk_usage(folders[0]).free
+    except OSError:
+        return None
+    if free < LOW_SPACE_BYTES:
+        logger.warning("%s: only %.0f MiB free; a sweep that fills it stops there", folders[0], free / 2**20)
+    return free
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file that ``folder`` is or lies under (``mkdir`` then says "exists" or "not a directory"), or None."""
+    for above in (folder, *folder.parents):
+        if above.exists():
+            return None if above.is_dir() else above
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -131,11 +132,14 @@ def convert(tp: Any, value: Any, path: str) -> Any:
             raise Invalid(path, f"expected an integer, got {show_value(value)}")
         return value
     if tp is float:
-        if (number := float_text(value)) is not None:
-            return number
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise Invalid(path, f"expected a number, got {show_value(value)}")
-        return float(value)
+        number = float_text(value)
+        if number is None:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise Invalid(path, f"expected a number, got {show_value(value)}")
+            number = float(value)
+        if not math.isfinite(number):  # YAML's .nan and .inf: no limit, budget or weight means that
+            raise Invalid(path, f"expected a finite number, got {show_value(value)}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise Invalid(path, f"expected a string, got {show_value(value)}")
@@ -148,6 +152,8 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         for k, v in value.items():
             if key_tp is str and not isinstance(k, str):
                 raise Invalid(join_path(path, str(k)), f"keys must be strings, got {show_value(k)}")
+            if key_tp is int and (isinstance(k, bool) or not isinstance(k, int)):
+                raise Invalid(join_path(path, str(k)), f"keys must be integers (unquoted), got {show_value(k)}")
             out[k] = convert(val_tp, v, join_path(path, str(k)))
         return out
     if origin in (list, tuple) or tp in (list, tuple):
@@ -159,6 +165,13 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     raise TypeError(f"recipe loader: unsupported field type {tp!r} at {path}")  # a bug in hfscale, not the recipe
+
+
+def given(data: dict[str, Any], key: str, empty: Any) -> Any:
+    """``data[key]``, or ``empty`` where the key is missing or null (``model:`` with nothing under it). Any other
+    value, however falsy (``model: []``, ``data: false``), is the user's and goes on to be checked as written."""
+    value = data.get(key)
+    return empty if value is None else value
 
 
 def reject_unknown(data: dict[str, Any], known: typing.Iterable[str], path: str) -> None:
@@ -204,6 +217,7 @@ __all__ = [
     "describe_type",
     "field_types",
     "float_text",
+    "given",
     "join_path",
     "reject_unknown",
     "show_value",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -98,9 +99,23 @@ def _open_dir(path: Path) -> None:
 def _default_wait_s() -> float:
     raw = os.environ.get(WAIT_ENV)
     try:
-        return float(raw) if raw else DEFAULT_WAIT_S
+        wait_s = float(raw) if raw else DEFAULT_WAIT_S
     except ValueError:
-        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds") from None
+        wait_s = math.nan
+    if not math.isfinite(wait_s) or wait_s < 0:
+        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds, 0 or more")
+    return wait_s
+
+
+def check_lock_environment() -> None:
+    """Read ``$HFSCALE_DEVICE_WAIT_S`` and ``$HFSCALE_DEVICE_LOCK`` as a trial will, so that a sweep refuses a bad
+    value before anything runs rather than at its first trial's lock.
+
+    Raises:
+        ValueError: naming the variable, its value and what is valid.
+    """
+    _default_wait_s()
+    _default_share()
 
 
 def _default_share() -> bool:
@@ -222,6 +237,7 @@ __all__ = [
     "WAIT_ENV",
     "DeviceBusyError",
     "DeviceHold",
+    "check_lock_environment",
     "hold_devices",
     "lock_dir",
     "trial_devices",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,6 +307,8 @@ class SweepSettings:
             if value is None or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             least, positive = f.metadata.get("least"), f.metadata.get("positive")
+            if not math.isfinite(value):  # float("nan") and float("inf") parse from the command line
+                raise SettingError(f.name, f"must be a finite number, got {value}")
             if least is not None and value < least:
                 raise SettingError(f.name, f"must be at least {least:g}, got {value:g}")
             if positive and value <= 0:

@@ -110,6 +110,45 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
         check_vocabulary(config, data)
     except ValueError as exc:
         raise Invalid("data.token_high", str(exc)) from exc
+    check_positions(config, data)
+
+
+def check_data(data: DataSpec) -> None:
+    """Refuse dummy data that cannot be drawn (no sequence, no sample, an empty range of token ids) at its key."""
+    for key in ("num_samples", "seq_len"):
+        if getattr(data, key) < 1:
+            raise Invalid(f"data.{key}", f"expected a positive integer, got {getattr(data, key)}")
+    if data.factory is None and not 0 <= data.token_low < data.token_high:
+        raise Invalid(
+            "data.token_low",
+            f"expected 0 <= data.token_low < data.token_high (ids are drawn from [token_low, token_high)), got "
+            f"{data.token_low} and {data.token_high}",
+        )
+
+
+def check_positions(config: Any, data: DataSpec) -> None:
+    """Refuse sequences longer than a model with learned absolute positions has positions for (BERT's 512, GPT-2's
+    1024: the first forward fails deep inside the embedding). Rotary models (``rope_theta``) have no such table."""
+    name = next((n for n in ("n_positions", "max_position_embeddings") if getattr(config, n, None)), None)
+    rotary = any(getattr(config, n, None) is not None for n in ("rope_theta", "rope_scaling", "rope_parameters"))
+    if name is None or rotary or data.seq_len <= getattr(config, name):
+        return
+    raise Invalid(
+        "data.seq_len",
+        f"expected at most {getattr(config, name)}, the model's positions (model.config.{name}), got {data.seq_len}",
+    )
+
+
+def check_measured_steps(measure: MeasureSpec, path: str) -> None:
+    """A trial's warm-up must leave a step to measure: with ``warmup_steps`` >= ``max_steps`` no throughput figure
+    would come out (the row would say none was measured, after the whole run)."""
+    warmup = measure.warmup_steps
+    if isinstance(warmup, int) and measure.max_steps is not None and warmup >= measure.max_steps:
+        raise Invalid(
+            join_path(path, "warmup_steps"),
+            f"expected fewer than max_steps ({measure.max_steps}), or 'auto': the steps after the warm-up are the "
+            f"ones measured, got {warmup}",
+        )
 
 
 def check_lengths(model: ModelSpec, data: DataSpec) -> None:
@@ -375,8 +414,11 @@ __all__ = [
     "REFUSED_TRAINING_ARGS",
     "check_batch_fits_data",
     "check_config_keys",
+    "check_data",
     "check_folder_name",
     "check_measure",
+    "check_measured_steps",
     "check_model",
+    "check_positions",
     "check_training_args",
 ]

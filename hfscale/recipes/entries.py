@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from hfscale.core.validation import Invalid, convert, field_types, join_path, reject_unknown, show_value
+from hfscale.core.validation import Invalid, convert, field_types, given, join_path, reject_unknown, show_value
 from hfscale.recipes.schema import BatchMode
 from hfscale.strategy import CompileSpec, DeepSpeedSpec, FsdpSpec, LoraSpec, ParallelismSpec, Strategy
 
@@ -192,11 +192,17 @@ def trial_entries(raw_trials: Any) -> list[TrialEntry]:
             raise Invalid(path, f"expected a mapping of strategy fields, got {show_value(raw)}")
         raw = dict(raw)
         trial_name = raw.pop("name", None)
-        if trial_name is not None:
-            convert(str, trial_name, join_path(path, "name"))
-        overrides = {key: raw.pop(key, None) or {} for key in ("measure", "run", "training_args")}
+        if trial_name is not None and not convert(str, trial_name, join_path(path, "name")).strip():
+            raise Invalid(
+                join_path(path, "name"),
+                "expected a name, got an empty one (leave the key out to name the trial by its fields)",
+            )
+        overrides = {key: given(raw, key, {}) for key in ("measure", "run", "training_args")}
+        for key in overrides:
+            raw.pop(key, None)
         batch = convert(BatchMode, raw.pop("batch"), join_path(path, "batch")) if "batch" in raw else None
-        script_args = tuple(convert(list[str], raw.pop("script_args", None) or [], join_path(path, "script_args")))
+        script_args = tuple(convert(list[str], given(raw, "script_args", []), join_path(path, "script_args")))
+        raw.pop("script_args", None)
         for key, over in overrides.items():
             if not isinstance(over, dict):
                 raise Invalid(join_path(path, key), f"expected a mapping, got {show_value(over)}")

@@ -47,17 +47,19 @@ from typing import Any
 import yaml
 
 from hfscale.core.units import noise_floor_spec
-from hfscale.core.validation import Invalid, build, convert, field_types, join_path, reject_unknown, show_value
+from hfscale.core.validation import Invalid, build, convert, field_types, given, join_path, reject_unknown, show_value
 from hfscale.recipes.catalog import recipe_names, resolve_recipe, shipped_recipe
 from hfscale.recipes.checks import (
     OWNED_TRAINING_ARGS,
     REFUSED_TRAINING_ARGS,
     check_batch_fits_data,
+    check_data,
     check_folder_name,
     check_lengths,
     check_liger,
     check_lora,
     check_measure,
+    check_measured_steps,
     check_model,
     check_tensor_parallel,
     check_training_args,
@@ -166,7 +168,7 @@ def read_trial_names(path: str | os.PathLike[str]) -> list[str]:
     try:
         if not isinstance(data, dict):
             raise Invalid("", f"expected a mapping at the top level, got {show_value(data)}")
-        entries = trial_entries(data.get("trials") or [])
+        entries = trial_entries(given(data, "trials", []))
         if data.get("matrix") is not None:
             entries += expand_matrix(data["matrix"])
     except Invalid as exc:
@@ -197,26 +199,27 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     check_folder_name(name, "name")
     description = convert(str, data.get("description", ""), "description")
     device = convert(field_types(Recipe)["device"], data.get("device", "cuda"), "device")
-    model = resolve_factories(build(ModelSpec, data.get("model") or {}, "model"), source)
-    data_spec = resolve_factories(build(DataSpec, data.get("data") or {}, "data"), source)
+    model = resolve_factories(build(ModelSpec, given(data, "model", {}), "model"), source)
+    data_spec = resolve_factories(build(DataSpec, given(data, "data", {}), "data"), source)
     script = parse_workload(data, source)
     if script is None:
+        check_data(data_spec)
         check_model(model, data_spec)
         check_lengths(model, data_spec)
-    measure_raw = data.get("measure") or {}
+    measure_raw = given(data, "measure", {})
     measure = build(MeasureSpec, measure_raw, "measure")
     check_measure(measure, "measure")
-    run_raw = data.get("run") or {}
+    run_raw = given(data, "run", {})
     run = build(RunSpec, run_raw, "run")
-    training_args = convert(dict[str, Any], data.get("training_args") or {}, "training_args")
+    training_args = convert(dict[str, Any], given(data, "training_args", {}), "training_args")
     training_args = check_training_args(training_args)
-    sweep = _with_noise_floor(build(SweepOptions, data.get("sweep") or {}, "sweep"), source)
-    defaults = data.get("defaults") or {}
+    sweep = _with_noise_floor(build(SweepOptions, given(data, "sweep", {}), "sweep"), source)
+    defaults = given(data, "defaults", {})
     if not isinstance(defaults, dict):
         raise Invalid("defaults", f"expected a mapping of strategy fields, got {show_value(defaults)}")
     check_partial_strategy(defaults, "defaults")
 
-    entries = trial_entries(data.get("trials") or [])
+    entries = trial_entries(given(data, "trials", []))
     if data.get("matrix") is not None:
         entries += expand_matrix(data["matrix"])
     if not entries:
@@ -275,6 +278,7 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     )
     trial_measure = build(MeasureSpec, {**shared.measure_raw, **entry.measure}, join_path(path, "measure"))
     check_measure(trial_measure, join_path(path, "measure"))
+    check_measured_steps(trial_measure, join_path(path, "measure"))
     run_merged = {**shared.run_raw, **entry.run}
     if isinstance(shared.run_raw.get("env"), dict) and isinstance(entry.run.get("env"), dict):
         run_merged["env"] = {**shared.run_raw["env"], **entry.run["env"]}

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hfscale.core.validation import Invalid, convert, join_path, reject_unknown, show_value
+from hfscale.core.validation import Invalid, convert, given, join_path, reject_unknown, show_value
 from hfscale.recipes.catalog import resolve_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.workload.factory import resolve_reference
@@ -37,7 +37,7 @@ def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
     if raw.get("script") is None:
         raise Invalid("workload.script", "missing: the path of your training script (relative to the recipe's folder)")
     written = Path(convert(str, raw["script"], "workload.script"))
-    args = convert(list[str], raw.get("args") or [], "workload.args")
+    args = convert(list[str], given(raw, "args", []), "workload.args")
     folder = recipe_folder(source)
     path = written if written.is_absolute() else folder / written
     if not path.is_file():

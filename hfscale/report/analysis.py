@@ -31,7 +31,7 @@ from hfscale.report.ranks import rank_memory_records
 from hfscale.report.recommend import Recommendation, pareto_front, recommend
 from hfscale.report.trials import MEDIANS, describe, group_rows, record_keys, run_record, trial_record
 from hfscale.results.environment import MachineEnvironment, gpu_memory_bytes, read_machine_environments
-from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, RunFolder
+from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, RunFolder, RunFolderError
 from hfscale.results.stats import SweepNoise, sweep_noise
 
 if TYPE_CHECKING:
@@ -317,9 +317,13 @@ def summarize_run(
         raise ReportError(f"{path}: has no {RESULTS_FILE}; expected a run folder written by 'hfscale sweep'")
     folder = RunFolder(path)
     try:
-        rows, environment = folder.rows(), folder.environment()
+        rows = folder.rows()
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
         raise ReportError(f"{path / RESULTS_FILE}: cannot be read: {exc}") from exc
+    try:
+        environment = folder.environment()
+    except RunFolderError as exc:  # the message names environment.json
+        raise ReportError(str(exc)) from exc
     try:
         machines = read_machine_environments(path)
     except ValueError as exc:  # the message names the machine's file

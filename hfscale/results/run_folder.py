@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from hfscale.core.files import utc_now, write_atomic
+from hfscale.core.files import check_writable, file_in_the_way, utc_now, write_atomic
 from hfscale.records.row import SCHEMA_VERSION, TrialResult, row_from_json, to_json_text
 from hfscale.records.search import SearchSummary
 
@@ -68,8 +68,6 @@ MACHINES_DIR = "machines"
 """Per machine of a sweep on several machines: its logs (``machine-K/``) and its environment record
 (``machine-K.json``, written by :func:`hfscale.results.environment.write_machine_environment`)."""
 SWEEP_ID_FILE = "sweep-id"
-_WRITE_CHECK_FILE = ".write-check"
-LOW_SPACE_BYTES = 256 * 2**20
 """Less free space than this in a run folder's filesystem is worth a warning before the first trial."""
 
 
@@ -115,6 +113,11 @@ class RowScan:
     """The last line has no newline: a sweep was killed while writing it (it is not counted as a row)."""
 
 
+def _refuse_a_file_above(folder: Path) -> None:
+    if (file := file_in_the_way(folder)) is not None:
+        raise RunFolderError(f"{file} is a file, not a folder: a run folder cannot be made in {folder}")
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """One run folder (it need not exist yet): its paths, its lock, reading and appending its rows, its environment
@@ -136,6 +139,7 @@ class RunFolder:
             RunFolderWriteError: when ``out_dir`` cannot be created or written (the message names the path).
         """
         parent = Path(out_dir)
+        _refuse_a_file_above(parent)
         base = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         for attempt in range(1, 1000):
             path = parent / (base if attempt == 1 else f"{base}-{attempt}")
@@ -158,10 +162,13 @@ class RunFolder:
             RunFolderWriteError: when it cannot be created (read-only, no space); the message names the path.
         """
         path = Path(path)
+        _refuse_a_file_above(path.parent)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
         except FileExistsError:
+            if not path.is_dir():
+                raise RunFolderError(f"{path} is a file, not a folder; choose another run folder") from None
             raise RunFolderError(f"{path} exists; continue it with --resume {path}, or choose another") from None
         except OSError as exc:
             raise RunFolderWriteError(path, exc) from exc
@@ -218,33 +225,16 @@ class RunFolder:
     # -- can it be written -----------------------------------------------------------------------------------------
 
     def check_writable(self) -> int | None:
-        """Write, sync and remove a small file in the folder (and its ``trials/``), so that a read-only or full
-        disk is found before the first trial rather than after it. Returns the free bytes there (None where
-        unknown); below :data:`LOW_SPACE_BYTES` a warning is logged.
+        """:func:`hfscale.core.files.check_writable` for the folder and its ``trials/``: a read-only or full disk is
+        found before the first trial rather than after it. Returns the free bytes there (None where unknown).
 
         Raises:
             RunFolderWriteError: naming the path that could not be written.
         """
-        for folder in (self.path, self.path / TRIALS_DIR):
-            probe = folder / _WRITE_CHECK_FILE
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                with open(probe, "wb") as fh:
-                    fh.write(b"hfscale checks that this folder can be written\n" * 64)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError as exc:
-                raise RunFolderWriteError(probe if folder.is_dir() else folder, exc) from exc
-            finally:
-                with contextlib.suppress(OSError):
-                    probe.unlink(missing_ok=True)
         try:
-            free = shutil.disk_usage(self.path).free
-        except OSError:
-            return None
-        if free < LOW_SPACE_BYTES:
-            logger.warning("%s: only %.0f MiB free; a sweep that fills it stops there", self.path, free / 2**20)
-        return free
+            return check_writable((self.path, self.path / TRIALS_DIR))
+        except OSError as exc:
+            raise RunFolderWriteError(Path(exc.filename) if exc.filename else self.path, exc) from exc
 
     # -- the lock ------------------------------------------------------------------------------------------------
 
@@ -420,10 +410,20 @@ class RunFolder:
     # -- environment and recipe ----------------------------------------------------------------------------------
 
     def environment(self) -> dict[str, Any]:
-        """The run's environment record, or an empty dict when the folder has none."""
+        """The run's environment record, or an empty dict when the folder has none.
+
+        Raises:
+            RunFolderError: when the file is not a JSON object (the message names it).
+        """
         if not self.environment_path.exists():
             return {}
-        return json.loads(self.environment_path.read_text(encoding="utf-8"))
+        try:
+            record = json.loads(self.environment_path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise RunFolderError(f"{self.environment_path}: cannot be read: {exc}") from exc
+        if not isinstance(record, dict):
+            raise RunFolderError(f"{self.environment_path}: expected a JSON object, got {type(record).__name__}")
+        return record
 
     def write_environment(self, environment: dict[str, Any]) -> None:
         """Replace the environment record atomically (a reader never sees half a file).

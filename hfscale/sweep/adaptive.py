@@ -59,10 +59,20 @@ ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs", "noise_floor")
 
 def search_settings(options: SweepOptions, settings: SweepSettings) -> SweepSettings:
     """The sweep's settings with the recipe's ``sweep:`` search options wherever the command line gave none (its
-    adaptive-only keys only when the search is adaptive: ``--search grid`` on an adaptive recipe leaves them)."""
+    adaptive-only keys only when the search is adaptive: ``--search grid`` on an adaptive recipe leaves them).
+
+    Raises:
+        SweepError: for adaptive-only keys in a recipe that never asks for an adaptive search.
+    """
     changes: dict[str, object] = {}
     given = settings.given()
     search = settings.search if "search" in given else options.search
+    keys = [f"sweep.{name}" for name in ADAPTIVE_ONLY if getattr(options, name) is not None]
+    if keys and "adaptive" not in (search, options.search):  # a grid recipe's own adaptive keys: refused, not dropped
+        raise SweepError(
+            f"{', '.join(keys)}: only an adaptive search reads {'them' if len(keys) > 1 else 'it'}: add sweep.search: "
+            "adaptive (or --search adaptive), or leave it out"
+        )
     if search == "adaptive":  # None stays the grid's (the default, recorded as such)
         changes["search"] = search
     if "memory_budget_bytes" not in given and options.memory_budget_gib is not None:

@@ -13,7 +13,7 @@ from hfscale.recipes.schema import Recipe
 from hfscale.records.search import NoiseFloor
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
-from hfscale.sweep.adaptive import noise_floor_of, question_of, search_settings
+from hfscale.sweep.adaptive import check_adaptive, noise_floor_of, question_of, search_settings
 from hfscale.sweep.skip import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
@@ -30,12 +30,14 @@ def dry_run_lines(
     recorded floor (else the settings' is read).
 
     Raises:
-        SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
+        SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget), and for what an adaptive
+            search cannot do, as the sweep itself refuses it (:func:`check_adaptive`).
     """
     settings = search_settings(recipe.sweep, settings)
     trials = recipe.resolve(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
+    check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))  # as a sweep
     gpus = gpu_info(python=python)
     runs = plan_runs(
         trials, gpu_count=int(gpus.get("gpu_count") or 0), num_machines=settings.num_machines or 1, only=settings.only

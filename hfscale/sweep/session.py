@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfscale.launch.device_lock import check_lock_environment
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import NO_BUDGET, SweepError, SweepSettings, memory_budget
 from hfscale.launch.process import end_orphaned_group
@@ -72,6 +73,10 @@ def open_sweep(
     """
     from hfscale.results.environment import collect_environment
 
+    try:
+        check_lock_environment()
+    except ValueError as exc:
+        raise SweepError(str(exc)) from None
     resumed = RunFolder(Path(resume)) if resume is not None else None
     recorded: dict[str, Any] = {}
     if resumed is not None:
@@ -144,6 +149,10 @@ def _resumed(
         recorded = json.loads(folder.environment_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise SweepError(f"--resume {folder.path}: cannot read {folder.environment_path.name} ({exc})") from None
+    if not isinstance(recorded, dict):
+        raise SweepError(
+            f"--resume {folder.path}: {folder.environment_path.name} is not a JSON object (a {type(recorded).__name__})"
+        )
     return recipe, SweepSettings.from_dict(recorded.get("sweep", {})).for_resume(given), recorded
 
 

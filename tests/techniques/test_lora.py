@@ -298,7 +298,7 @@ def test_hfscale_config_prints_the_lora_and_bitsandbytes_keywords(tmp_path, caps
     asked = LoraSpec(rank=8, alpha=16, target_modules=("q_proj", "v_proj"), quantize_base="4bit")
     assert read_strategy(tmp_path).lora == asked
     assert config_main(["--out", str(tmp_path / "x"), "--qlora"]) == 2
-    assert "--lora-target and --qlora configure LoRA: add --lora-rank" in capsys.readouterr().err
+    assert "--lora-dropout and --qlora configure LoRA: add --lora-rank" in capsys.readouterr().err
 
 
 def test_a_recipe_with_lora_on_a_model_without_peft_defaults_names_lora_target_modules(tmp_path):

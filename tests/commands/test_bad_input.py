@@ -1,0 +1,192 @@
+"""Bad input to the commands is refused before anything runs, naming the argument, the key or the variable and
+what is valid: never a traceback, never accepted and then misbehaving."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+from helpers.paths import REPO
+
+from hfscale.commands.sweep import main as sweep
+from hfscale.core.validation import Invalid, convert
+from hfscale.launch.plan import SettingError, SweepSettings
+
+
+@pytest.mark.parametrize("flag", ["--memory-limit-gib", "--timeout-s", "--price-per-hour"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_number_that_is_not_finite_is_refused_on_the_command_line(flag, value, tmp_path, capsys):
+    assert sweep(["cpu_small", "--dry-run", flag, value]) == 2
+    assert f"must be a finite number, got {float(value)}" in capsys.readouterr().err
+
+
+def test_a_number_that_is_not_finite_is_refused_in_a_recipe():
+    for value in (math.nan, math.inf, -math.inf):
+        with pytest.raises(Invalid, match=r"expected a finite number, got") as raised:
+            convert(float, value, "run.memory_limit_gib")
+        assert raised.value.path == "run.memory_limit_gib"
+    with pytest.raises(SettingError, match="timeout_s must be a finite number, got nan"):
+        SweepSettings(timeout_s=math.nan)
+
+
+def test_integer_keys_must_be_written_as_integers():
+    assert convert(dict[int, float], {64: 1.0}, "data.lengths.histogram") == {64: 1.0}
+    with pytest.raises(Invalid, match=r"keys must be integers \(unquoted\), got '64'") as raised:
+        convert(dict[int, float], {"64": 1.0}, "data.lengths.histogram")
+    assert raised.value.path == "data.lengths.histogram.64"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("HFSCALE_DEVICE_LOCK", "bogus", "HFSCALE_DEVICE_LOCK='bogus': expected 'wait' or 'share'"),
+        ("HFSCALE_DEVICE_WAIT_S", "abc", "HFSCALE_DEVICE_WAIT_S='abc': expected a number of seconds"),
+        ("HFSCALE_DEVICE_WAIT_S", "nan", "HFSCALE_DEVICE_WAIT_S='nan': expected a number of seconds"),
+    ],
+)
+def test_a_bad_device_lock_variable_is_refused_before_the_sweep_starts(variable, value, message, tmp_path,
+                                                                        monkeypatch, capsys):  # fmt: skip
+    monkeypatch.setenv(variable, value)
+    assert sweep(["cpu_small", "--run-dir", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing ran, nothing was written
+
+
+def test_an_unknown_log_level_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as raised:
+        sweep(["cpu_small", "--dry-run", "--log-level", "bogus"])
+    assert raised.value.code == 2
+    assert "--log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err
+
+
+# -- where the output goes --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a folder\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def a_run(tmp_path):
+    from helpers.report import ENV, constructed_rows, write_run
+
+    return write_run(tmp_path / "run", constructed_rows(), ENV)
+
+
+def test_an_output_path_that_is_a_file_is_refused_with_its_argument(a_file, a_run, capsys):
+    from hfscale.commands.config import main as config
+    from hfscale.commands.report import compare_main
+    from hfscale.commands.report import main as report
+    from hfscale.commands.slurm import main as slurm
+
+    assert config(["--device", "cpu", "--out", str(a_file)]) == 2
+    assert "argument --out: cannot write the configs: " in capsys.readouterr().err
+    assert report([str(a_run), "--out", str(a_file)]) == 2
+    assert f"cannot write the report: {a_file}" in capsys.readouterr().err
+    assert compare_main([str(a_run), str(a_run), "--out", str(a_file / "x")]) == 2
+    assert f"cannot write the comparison: {a_file}" in capsys.readouterr().err
+    assert slurm(["cpu_small", "--nodes", "2", "--gpus-per-node", "1", "--out", str(a_file / "x.sbatch")]) == 2
+    assert f"argument --out: {a_file / 'x.sbatch'}: Not a directory" in capsys.readouterr().err
+    for flag, value in (("--out-dir", a_file), ("--run-dir", a_file / "x")):
+        assert sweep(["cpu_small", "--only", "fp32", flag, str(value)]) == 2
+        assert f"{a_file} is a file, not a folder: a run folder cannot be made in" in capsys.readouterr().err
+    assert sweep(["cpu_small", "--only", "fp32", "--run-dir", str(a_file)]) == 2
+    assert f"{a_file} is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "says"), [("[1]", "expected a JSON object, got list"), ("{bad", "cannot be read")])
+def test_an_environment_record_that_is_not_an_object_is_named(text, says, a_run, capsys):
+    from hfscale.commands.report import main as report
+
+    (a_run / "environment.json").write_text(text, encoding="utf-8")
+    assert report([str(a_run)]) == 2
+    assert f"{a_run / 'environment.json'}: {says}" in capsys.readouterr().err
+
+
+def test_a_resumed_run_whose_environment_is_not_an_object_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text((REPO / "recipes" / "cpu_small.yaml").read_text(), encoding="utf-8")
+    (run / "results.jsonl").write_text("", encoding="utf-8")
+    (run / "environment.json").write_text("[1]", encoding="utf-8")
+    assert sweep(["--resume", str(run), "--dry-run"]) == 2
+    assert "environment.json is not a JSON object (a list)" in capsys.readouterr().err
+
+
+# -- the other commands' arguments ------------------------------------------------------------------------------
+
+
+def test_estimate_names_a_config_key_the_model_lacks_and_a_value_it_cannot_build(capsys):
+    from hfscale.commands.estimate import main as estimate
+
+    assert estimate(["bert", "--config", "num_hidden_layer=48"]) == 2
+    assert (
+        "--config num_hidden_layer: BertConfig has no key 'num_hidden_layer' (did you mean 'num_hidden_layers'?)"
+        in (capsys.readouterr().err)
+    )
+    assert estimate(["bert", "--config", "hidden_size=0"]) == 2
+    assert "cannot build the model from its config (check --config)" in capsys.readouterr().err
+
+
+def test_lora_options_without_a_rank_and_ports_out_of_range_are_refused(tmp_path, capsys):
+    from hfscale.commands.config import main as config
+    from hfscale.commands.slurm import main as slurm
+
+    for flag, value in (("--lora-alpha", "32"), ("--lora-dropout", "0.1")):
+        assert config(["--device", "cpu", flag, value, "--out", str(tmp_path / "c")]) == 2
+        assert "configure LoRA: add --lora-rank" in capsys.readouterr().err
+    assert config(["--device", "cpu", "--lora-rank", "8", "--out", str(tmp_path / "c")]) == 0  # the defaults stay
+    assert config(["--device", "cpu", "--main-process-port", "0", "--out", str(tmp_path / "c")]) == 2
+    assert "expected a port between 1 and 65535, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        slurm(["cpu_small", "--nodes", "2", "--gpus-per-node", "1", "--port", "70000"])
+    assert "--port: must be between 1024 and 64511" in capsys.readouterr().err
+
+
+def test_a_dry_run_refuses_what_the_sweep_refuses(tmp_path, capsys):
+    from helpers.runs import write_recipe
+
+    assert sweep(["cpu_small", "--dry-run", "--max-runs", "3"]) == 2
+    assert "only apply to an adaptive search" in capsys.readouterr().err
+    recipe = yaml.safe_load((REPO / "recipes" / "cpu_small.yaml").read_text())
+    recipe["sweep"] = {"max_runs": 1}  # a grid recipe with a search's key: refused, not dropped
+    assert sweep([str(write_recipe(tmp_path, recipe)), "--dry-run"]) == 2
+    assert "sweep.max_runs: only an adaptive search reads it" in capsys.readouterr().err
+
+
+# -- recipe values that would fail only inside the trial ----------------------------------------------------------
+
+TINY = {"device": "cpu", "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "says"),
+    [
+        ({"model": []}, "model", "expected a mapping, got a list"),
+        ({"data": False}, "data", "expected a mapping, got false"),
+        ({"run": 0}, "run", "expected a mapping, got 0"),
+        ({"trials": [{"name": "a", "measure": False}]}, r"trials\[0\]\.measure", "expected a mapping, got false"),
+        ({"trials": [{"name": ""}]}, r"trials\[0\]\.name", "expected a name, got an empty one"),
+        ({"data": {"seq_len": 4096}}, "data.seq_len", r"expected at most 512, the model's positions"),
+        ({"data": {"seq_len": 0}}, "data.seq_len", "expected a positive integer, got 0"),
+        ({"data": {"token_low": 500, "token_high": 100}}, "data.token_low", r"expected 0 <= data.token_low <"),
+        ({"measure": {"warmup_steps": 8, "max_steps": 8}}, r"trials\[0\]\.measure\.warmup_steps",
+         r"expected fewer than max_steps \(8\)"),
+        ({"data": {"lengths": {"distribution": "histogram", "histogram": {"64": 1.0}}}},
+         r"data\.lengths\.histogram\.64", r"keys must be integers \(unquoted\)"),
+        ({"run": {"memory_limit_gib": math.nan}}, r"run\.memory_limit_gib", "expected a finite number"),
+    ],
+)  # fmt: skip
+def test_a_recipe_value_the_trial_would_fail_on_is_refused_at_its_key(changes, key, says, tmp_path):
+    from helpers.runs import write_recipe
+
+    from hfscale.recipes.recipe import load_recipe
+    from hfscale.recipes.schema import RecipeError
+
+    recipe = {**TINY, "trials": [{"name": "a"}], **changes}
+    with pytest.raises(RecipeError, match=f"{key}: {says}"):
+        load_recipe(write_recipe(tmp_path, recipe))
