@@ -155,6 +155,8 @@ def _check_config_keys(model: ModelSpec) -> None:
     from hfscale.core.validation import Invalid
     from hfscale.recipes.checks import check_config_keys
 
+    if model.pretrained or model.factory is not None:
+        return  # the config is the hub's or the factory's own: its keys are not the model type's (as a recipe)
     try:
         check_config_keys(model)
     except Invalid as exc:

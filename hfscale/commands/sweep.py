@@ -16,12 +16,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hfscale.launch.device_lock import check_lock_environment
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SettingError, SweepError, SweepSettings
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
 from hfscale.results.run_folder import RunFolderError
+from hfscale.sweep.adaptive import refuse_search_keys
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
 from hfscale.sweep.outcome import (
@@ -34,6 +36,14 @@ from hfscale.sweep.outcome import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _log_level(text: str) -> str:
+    """An ``argparse`` type: a level name the ``logging`` module knows (``WARN`` too), upper-cased."""
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {text!r}")
+    return level
 
 
 def driver_port(text: str) -> int:
@@ -119,9 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="logging level (default INFO)",
+        type=_log_level,
+        help="logging level: DEBUG, INFO, WARNING (or WARN), ERROR, CRITICAL (default INFO)",
     )
     return parser
 
@@ -274,7 +283,13 @@ def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchIn
         print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
         return 2
     else:
-        lines = dry_run_lines(load_recipe(args.recipe), settings, launch)
+        recipe = load_recipe(args.recipe)
+        refuse_search_keys(recipe.sweep, settings)  # as the sweep would (open_sweep), before its lines
+        try:
+            check_lock_environment()
+        except ValueError as exc:
+            raise SweepError(str(exc)) from None
+        lines = dry_run_lines(recipe, settings, launch)
     for line in lines:
         print(line)
     return 0

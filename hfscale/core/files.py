@@ -90,8 +90,11 @@ def check_writable(folders: tuple[Path, ...]) -> int | None:
 
 
 def file_in_the_way(folder: Path) -> Path | None:
-    """The file that ``folder`` is or lies under (``mkdir`` then says "exists" or "not a directory"), or None."""
+    """The file (or broken link) that ``folder`` is or lies under (``mkdir`` then says "exists" or "not a
+    directory"), or None."""
     for above in (folder, *folder.parents):
         if above.exists():
             return None if above.is_dir() else above
+        if above.is_symlink():
+            return above  # a link to nothing
     return None

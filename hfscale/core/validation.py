@@ -137,8 +137,8 @@ def convert(tp: Any, value: Any, path: str) -> Any:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise Invalid(path, f"expected a number, got {show_value(value)}")
             number = float(value)
-        if not math.isfinite(number):  # YAML's .nan and .inf: no limit, budget or weight means that
-            raise Invalid(path, f"expected a finite number, got {show_value(value)}")
+        if math.isnan(number):  # YAML's .nan; .inf is checked where it cannot mean "no limit"
+            raise Invalid(path, f"expected a number, got {show_value(value)}")
         return number
     if tp is str:
         if not isinstance(value, str):

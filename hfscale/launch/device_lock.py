@@ -102,8 +102,8 @@ def _default_wait_s() -> float:
         wait_s = float(raw) if raw else DEFAULT_WAIT_S
     except ValueError:
         wait_s = math.nan
-    if not math.isfinite(wait_s) or wait_s < 0:
-        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds, 0 or more")
+    if math.isnan(wait_s) or wait_s < 0:  # inf: wait as long as it takes
+        raise ValueError(f"{WAIT_ENV}={raw!r}: expected a number of seconds, 0 or more (inf: no limit)")
     return wait_s
 
 

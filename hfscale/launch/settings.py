@@ -81,6 +81,10 @@ def _duration(text: str) -> float:
 ResumeRule = Literal["keep", "override"]
 
 
+UNLIMITED = frozenset({"timeout_s", "max_time_s"})
+"""Settings for which ``inf`` means no limit (times); every other number must be finite."""
+
+
 def _option(
     flag: str,
     help: str,
@@ -307,7 +311,7 @@ class SweepSettings:
             if value is None or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             least, positive = f.metadata.get("least"), f.metadata.get("positive")
-            if not math.isfinite(value):  # float("nan") and float("inf") parse from the command line
+            if math.isnan(value) or (math.isinf(value) and f.name not in UNLIMITED):  # both parse as floats
                 raise SettingError(f.name, f"must be a finite number, got {value}")
             if least is not None and value < least:
                 raise SettingError(f.name, f"must be at least {least:g}, got {value:g}")

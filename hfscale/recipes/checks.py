@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from typing import Any, get_args, get_origin
@@ -126,17 +127,25 @@ def check_data(data: DataSpec) -> None:
         )
 
 
+_LEARNED_POSITIONS = {"bert": "max_position_embeddings", "distilbert": "max_position_embeddings",
+                      "gpt2": "n_positions", "roberta": "max_position_embeddings",
+                      "xlm-roberta": "max_position_embeddings", "camembert": "max_position_embeddings"}  # fmt: skip
+"""Model types with a table of learned absolute positions, and its size's config key. Only these are checked:
+others have rotary or relative positions (any length runs), or limits this table does not know."""
+
+
 def check_positions(config: Any, data: DataSpec) -> None:
     """Refuse sequences longer than a model with learned absolute positions has positions for (BERT's 512, GPT-2's
-    1024: the first forward fails deep inside the embedding). Rotary models (``rope_theta``) have no such table."""
-    name = next((n for n in ("n_positions", "max_position_embeddings") if getattr(config, n, None)), None)
-    rotary = any(getattr(config, n, None) is not None for n in ("rope_theta", "rope_scaling", "rope_parameters"))
-    if name is None or rotary or data.seq_len <= getattr(config, name):
+    1024: the first forward fails deep inside the embedding). RoBERTa's positions start after its padding id, so
+    it has ``pad_token_id + 1`` fewer."""
+    key = _LEARNED_POSITIONS.get(getattr(config, "model_type", ""))
+    if key is None or not getattr(config, key, None):
         return
-    raise Invalid(
-        "data.seq_len",
-        f"expected at most {getattr(config, name)}, the model's positions (model.config.{name}), got {data.seq_len}",
-    )
+    offset = (config.pad_token_id or 0) + 1 if "roberta" in config.model_type or config.model_type == "camembert" else 0
+    limit = getattr(config, key) - offset
+    if data.seq_len > limit:
+        why = f"model.config.{key}" + (f" less the {offset} before RoBERTa's first position" if offset else "")
+        raise Invalid("data.seq_len", f"expected at most {limit}, the model's positions ({why}), got {data.seq_len}")
 
 
 def check_measured_steps(measure: MeasureSpec, path: str) -> None:
@@ -169,7 +178,7 @@ def check_lengths(model: ModelSpec, data: DataSpec) -> None:
     if lengths.distribution == "normal" and (lengths.mean is None or lengths.sd is None or lengths.sd <= 0):
         raise Invalid("data.lengths", "normal needs mean and a positive sd")
     if lengths.distribution == "histogram":
-        bad = [k for k, w in lengths.histogram.items() if not 1 <= k <= data.seq_len or w <= 0]
+        bad = [k for k, w in lengths.histogram.items() if not 1 <= k <= data.seq_len or not 0 < w < math.inf]
         if not lengths.histogram or bad:
             raise Invalid(
                 "data.lengths.histogram",

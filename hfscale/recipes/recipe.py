@@ -278,7 +278,8 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     )
     trial_measure = build(MeasureSpec, {**shared.measure_raw, **entry.measure}, join_path(path, "measure"))
     check_measure(trial_measure, join_path(path, "measure"))
-    check_measured_steps(trial_measure, join_path(path, "measure"))
+    own = {"warmup_steps", "max_steps"} & set(entry.measure)  # where the two came from, to name the key written
+    check_measured_steps(trial_measure, join_path(path, "measure") if own else "measure")
     run_merged = {**shared.run_raw, **entry.run}
     if isinstance(shared.run_raw.get("env"), dict) and isinstance(entry.run.get("env"), dict):
         run_merged["env"] = {**shared.run_raw["env"], **entry.run["env"]}

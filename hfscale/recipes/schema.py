@@ -9,6 +9,7 @@ its batch mode). They live apart from the loader so that a module needing only t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +36,7 @@ class RunSpec:
     """Extra environment variables for the trial's processes (``OMP_NUM_THREADS``, ``NCCL_DEBUG``, ...)."""
 
     def __post_init__(self) -> None:
-        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+        if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib < math.inf:
             raise ValueError(f"memory_limit_gib: expected a positive number, got {self.memory_limit_gib!r}")
 
 
@@ -83,7 +84,7 @@ class SweepOptions:
             raise ValueError(f"search: expected one of 'grid', 'adaptive', got {self.search!r}")
         for name in ("memory_budget_gib", "min_samples_per_s", "max_time_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
+            if value is not None and not (value > 0 and (math.isfinite(value) or name == "max_time_s")):
                 raise ValueError(f"{name}: expected a number above 0, got {value!r}")
         if self.max_runs is not None and self.max_runs < 1:
             raise ValueError(f"max_runs: expected a positive integer, got {self.max_runs!r}")

@@ -113,11 +113,6 @@ class RowScan:
     """The last line has no newline: a sweep was killed while writing it (it is not counted as a row)."""
 
 
-def _refuse_a_file_above(folder: Path) -> None:
-    if (file := file_in_the_way(folder)) is not None:
-        raise RunFolderError(f"{file} is a file, not a folder: a run folder cannot be made in {folder}")
-
-
 @dataclass(frozen=True)
 class RunFolder:
     """One run folder (it need not exist yet): its paths, its lock, reading and appending its rows, its environment
@@ -139,7 +134,7 @@ class RunFolder:
             RunFolderWriteError: when ``out_dir`` cannot be created or written (the message names the path).
         """
         parent = Path(out_dir)
-        _refuse_a_file_above(parent)
+        _refuse_what_is_in_the_way(parent)
         base = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         for attempt in range(1, 1000):
             path = parent / (base if attempt == 1 else f"{base}-{attempt}")
@@ -162,13 +157,12 @@ class RunFolder:
             RunFolderWriteError: when it cannot be created (read-only, no space); the message names the path.
         """
         path = Path(path)
-        _refuse_a_file_above(path.parent)
+        _refuse_what_is_in_the_way(path.parent)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
         except FileExistsError:
-            if not path.is_dir():
-                raise RunFolderError(f"{path} is a file, not a folder; choose another run folder") from None
+            _refuse_what_is_in_the_way(path)
             raise RunFolderError(f"{path} exists; continue it with --resume {path}, or choose another") from None
         except OSError as exc:
             raise RunFolderWriteError(path, exc) from exc
@@ -466,6 +460,11 @@ class RunFolder:
             shutil.copyfile(source, self.recipe_path)
         except OSError as exc:
             raise RunFolderWriteError(self.recipe_path, exc) from exc
+
+
+def _refuse_what_is_in_the_way(folder: Path) -> None:
+    if (file := file_in_the_way(folder)) is not None:
+        raise RunFolderError(f"{file} is not a folder (a file, or a broken link): no run folder can be made there")
 
 
 def read_results(run_dir: str | os.PathLike[str]) -> list[TrialResult]:

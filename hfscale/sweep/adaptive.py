@@ -59,20 +59,10 @@ ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs", "noise_floor")
 
 def search_settings(options: SweepOptions, settings: SweepSettings) -> SweepSettings:
     """The sweep's settings with the recipe's ``sweep:`` search options wherever the command line gave none (its
-    adaptive-only keys only when the search is adaptive: ``--search grid`` on an adaptive recipe leaves them).
-
-    Raises:
-        SweepError: for adaptive-only keys in a recipe that never asks for an adaptive search.
-    """
+    adaptive-only keys only when the search is adaptive: ``--search grid`` on an adaptive recipe leaves them)."""
     changes: dict[str, object] = {}
     given = settings.given()
     search = settings.search if "search" in given else options.search
-    keys = [f"sweep.{name}" for name in ADAPTIVE_ONLY if getattr(options, name) is not None]
-    if keys and "adaptive" not in (search, options.search):  # a grid recipe's own adaptive keys: refused, not dropped
-        raise SweepError(
-            f"{', '.join(keys)}: only an adaptive search reads {'them' if len(keys) > 1 else 'it'}: add sweep.search: "
-            "adaptive (or --search adaptive), or leave it out"
-        )
     if search == "adaptive":  # None stays the grid's (the default, recorded as such)
         changes["search"] = search
     if "memory_budget_bytes" not in given and options.memory_budget_gib is not None:
@@ -81,6 +71,22 @@ def search_settings(options: SweepOptions, settings: SweepSettings) -> SweepSett
         if name not in given and getattr(options, name) is not None:
             changes[name] = getattr(options, name)
     return dataclasses.replace(settings, **changes)
+
+
+def refuse_search_keys(options: SweepOptions, settings: SweepSettings) -> None:
+    """Refuse a new sweep's recipe that sets a search's keys (``sweep.max_runs``, ...) but never asks for a search,
+    rather than drop them. (A resumed run's recipe is the one it started with: not refused again.)
+
+    Raises:
+        SweepError: naming the keys.
+    """
+    keys = [f"sweep.{name}" for name in ADAPTIVE_ONLY if getattr(options, name) is not None]
+    search = settings.search if "search" in settings.given() else options.search
+    if keys and "adaptive" not in (search, options.search):
+        raise SweepError(
+            f"{', '.join(keys)}: only an adaptive search reads {'them' if len(keys) > 1 else 'it'}: add sweep.search: "
+            "adaptive (or --search adaptive), or leave it out"
+        )
 
 
 def check_adaptive(trials: Sequence[RecipeTrial], settings: SweepSettings, *, num_machines: int) -> None:
@@ -488,6 +494,7 @@ __all__ = [
     "noise_floor_of",
     "question_of",
     "recorded_floor",
+    "refuse_search_keys",
     "search_settings",
     "trial_states",
 ]

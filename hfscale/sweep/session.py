@@ -19,13 +19,19 @@ from typing import Any
 
 from hfscale.launch.device_lock import check_lock_environment
 from hfscale.launch.group import LaunchInfo
-from hfscale.launch.plan import NO_BUDGET, SweepError, SweepSettings, memory_budget
+from hfscale.launch.plan import NO_BUDGET, SettingError, SweepError, SweepSettings, memory_budget
 from hfscale.launch.process import end_orphaned_group
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.records.search import NoiseFloor
 from hfscale.results.run_folder import RECIPE_FILE, RunFolder, RunFolderWriteError
-from hfscale.sweep.adaptive import check_adaptive, noise_floor_of, recorded_floor, search_settings
+from hfscale.sweep.adaptive import (
+    check_adaptive,
+    noise_floor_of,
+    recorded_floor,
+    refuse_search_keys,
+    search_settings,
+)
 from hfscale.sweep.batch_axis import batch_settings, fixed_batch_trials
 from hfscale.sweep.slurm import resume_command
 
@@ -86,6 +92,7 @@ def open_sweep(
     else:
         recipe = load_recipe(recipe_path)
         settings = settings or launch.default_counts(SweepSettings())
+        refuse_search_keys(recipe.sweep, settings)
     settings = search_settings(recipe.sweep, batch_settings(recipe.sweep, settings))
     trials = recipe.resolve(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
@@ -153,7 +160,11 @@ def _resumed(
         raise SweepError(
             f"--resume {folder.path}: {folder.environment_path.name} is not a JSON object (a {type(recorded).__name__})"
         )
-    return recipe, SweepSettings.from_dict(recorded.get("sweep", {})).for_resume(given), recorded
+    try:
+        settings = SweepSettings.from_dict(recorded.get("sweep", {}))
+    except SettingError as exc:
+        raise SweepError(f"--resume {folder.path}: {folder.environment_path.name} records {exc}") from None
+    return recipe, settings.for_resume(given), recorded
 
 
 def run_folder(start: SweepStart, *, out_dir: PathLike, run_dir: PathLike | None) -> RunFolder:

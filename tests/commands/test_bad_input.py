@@ -3,6 +3,7 @@ what is valid: never a traceback, never accepted and then misbehaving."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,18 +15,28 @@ from hfscale.core.validation import Invalid, convert
 from hfscale.launch.plan import SettingError, SweepSettings
 
 
-@pytest.mark.parametrize("flag", ["--memory-limit-gib", "--timeout-s", "--price-per-hour"])
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_a_number_that_is_not_finite_is_refused_on_the_command_line(flag, value, tmp_path, capsys):
-    assert sweep(["cpu_small", "--dry-run", flag, value]) == 2
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--memory-limit-gib", "nan"), ("--memory-limit-gib", "inf"), ("--timeout-s", "nan"), ("--price-per-hour", "nan"),
+     ("--price-per-hour", "inf"), ("--max-time", "nan")],
+)  # fmt: skip
+def test_a_number_that_is_not_finite_is_refused_on_the_command_line(flag, value, capsys):
+    assert sweep(["cpu_small", "--dry-run", "--search", "adaptive", flag, value]) == 2
     assert f"must be a finite number, got {float(value)}" in capsys.readouterr().err
 
 
-def test_a_number_that_is_not_finite_is_refused_in_a_recipe():
-    for value in (math.nan, math.inf, -math.inf):
-        with pytest.raises(Invalid, match=r"expected a finite number, got") as raised:
-            convert(float, value, "run.memory_limit_gib")
-        assert raised.value.path == "run.memory_limit_gib"
+def test_infinity_is_taken_where_it_means_no_limit(monkeypatch):
+    assert SweepSettings(timeout_s=math.inf, max_time_s=math.inf).timeout_s == math.inf  # no time limit
+    monkeypatch.setenv("HFSCALE_DEVICE_WAIT_S", "inf")
+    from hfscale.launch.device_lock import check_lock_environment
+
+    check_lock_environment()  # waits as long as it takes
+
+
+def test_nan_is_refused_in_a_recipe():
+    with pytest.raises(Invalid, match=r"expected a number, got") as raised:
+        convert(float, math.nan, "run.memory_limit_gib")
+    assert raised.value.path == "run.memory_limit_gib"
     with pytest.raises(SettingError, match="timeout_s must be a finite number, got nan"):
         SweepSettings(timeout_s=math.nan)
 
@@ -57,7 +68,10 @@ def test_an_unknown_log_level_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as raised:
         sweep(["cpu_small", "--dry-run", "--log-level", "bogus"])
     assert raised.value.code == 2
-    assert "--log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err
+    assert (
+        "argument --log-level: expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got 'bogus'" in capsys.readouterr().err
+    )
+    assert sweep(["cpu_small", "--dry-run", "--log-level", "warn"]) == 0  # logging's own alias
 
 
 # -- where the output goes --------------------------------------------------------------------------------------
@@ -93,9 +107,12 @@ def test_an_output_path_that_is_a_file_is_refused_with_its_argument(a_file, a_ru
     assert f"argument --out: {a_file / 'x.sbatch'}: Not a directory" in capsys.readouterr().err
     for flag, value in (("--out-dir", a_file), ("--run-dir", a_file / "x")):
         assert sweep(["cpu_small", "--only", "fp32", flag, str(value)]) == 2
-        assert f"{a_file} is a file, not a folder: a run folder cannot be made in" in capsys.readouterr().err
+        assert (
+            f"{a_file} is not a folder (a file, or a broken link): no run folder can be made there"
+            in capsys.readouterr().err
+        )
     assert sweep(["cpu_small", "--only", "fp32", "--run-dir", str(a_file)]) == 2
-    assert f"{a_file} is a file, not a folder" in capsys.readouterr().err
+    assert f"{a_file} is not a folder (a file, or a broken link)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("text", "says"), [("[1]", "expected a JSON object, got list"), ("{bad", "cannot be read")])
@@ -174,11 +191,19 @@ TINY = {"device": "cpu", "model": {"config": {"hidden_size": 32, "num_hidden_lay
         ({"data": {"seq_len": 4096}}, "data.seq_len", r"expected at most 512, the model's positions"),
         ({"data": {"seq_len": 0}}, "data.seq_len", "expected a positive integer, got 0"),
         ({"data": {"token_low": 500, "token_high": 100}}, "data.token_low", r"expected 0 <= data.token_low <"),
-        ({"measure": {"warmup_steps": 8, "max_steps": 8}}, r"trials\[0\]\.measure\.warmup_steps",
+        ({"measure": {"warmup_steps": 8, "max_steps": 8}}, r"measure\.warmup_steps",
          r"expected fewer than max_steps \(8\)"),
+        ({"trials": [{"name": "a", "measure": {"max_steps": 2}}], "measure": {"warmup_steps": 2}},
+         r"trials\[0\]\.measure\.warmup_steps", r"expected fewer than max_steps \(2\)"),
         ({"data": {"lengths": {"distribution": "histogram", "histogram": {"64": 1.0}}}},
          r"data\.lengths\.histogram\.64", r"keys must be integers \(unquoted\)"),
-        ({"run": {"memory_limit_gib": math.nan}}, r"run\.memory_limit_gib", "expected a finite number"),
+        ({"run": {"memory_limit_gib": math.nan}}, r"run\.memory_limit_gib", "expected a number, got"),
+        ({"run": {"memory_limit_gib": math.inf}}, "run", "memory_limit_gib: expected a positive number, got inf"),
+        ({"data": {"lengths": {"distribution": "histogram", "histogram": {16: math.inf}}}},
+         r"data\.lengths\.histogram", "expected lengths 1 to data.seq_len"),
+        ({"model": {"type": "roberta", "config": {"hidden_size": 32, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2}}, "data": {"seq_len": 513}},
+         "data.seq_len", r"expected at most 510, the model's positions \(model.config.max_position_embeddings less"),
     ],
 )  # fmt: skip
 def test_a_recipe_value_the_trial_would_fail_on_is_refused_at_its_key(changes, key, says, tmp_path):
@@ -190,3 +215,59 @@ def test_a_recipe_value_the_trial_would_fail_on_is_refused_at_its_key(changes, k
     recipe = {**TINY, "trials": [{"name": "a"}], **changes}
     with pytest.raises(RecipeError, match=f"{key}: {says}"):
         load_recipe(write_recipe(tmp_path, recipe))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"type": "llama", "config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "intermediate_size": 64, "max_position_embeddings": 16}},
+        {"type": "deberta-v2", "config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                          "intermediate_size": 64, "max_position_embeddings": 16,
+                                          "relative_attention": True, "position_biased_input": False}},
+        {"type": "xlnet", "config": {"d_model": 32, "n_layer": 1, "n_head": 2, "d_inner": 64}},
+    ],
+)  # fmt: skip
+def test_models_without_a_table_of_learned_positions_take_any_length(model, tmp_path):
+    from helpers.runs import write_recipe
+
+    from hfscale.recipes.recipe import load_recipe
+
+    recipe = {"device": "cpu", "model": model, "data": {"seq_len": 64, "token_high": 500}, "trials": [{"name": "a"}]}
+    assert load_recipe(write_recipe(tmp_path, recipe)).trials[0].spec.data.seq_len == 64
+
+
+def test_estimate_leaves_a_pretrained_or_factory_models_config_keys_alone():
+    """As the recipe loader: a hub model's or a factory's config is its own, not the model type's."""
+    from hfscale.commands.estimate import _check_config_keys
+    from hfscale.workload.spec import ModelSpec
+
+    _check_config_keys(ModelSpec(type="llama", pretrained="org/model", config={"num_key_value_heads": 2}))
+    _check_config_keys(ModelSpec(type="bert", factory="user_factories:model", config={"num_layers": 4}))
+    with pytest.raises(ValueError, match="--config num_layers: BertConfig has no key"):
+        _check_config_keys(ModelSpec(type="bert", config={"num_layers": 4}))
+
+
+def test_a_dry_run_checks_the_device_lock_variables_and_a_resume_keeps_its_recipes_keys(tmp_path, monkeypatch,
+                                                                                         capsys):  # fmt: skip
+    monkeypatch.setenv("HFSCALE_DEVICE_LOCK", "bogus")
+    assert sweep(["cpu_small", "--dry-run"]) == 2
+    assert "HFSCALE_DEVICE_LOCK='bogus'" in capsys.readouterr().err
+    monkeypatch.delenv("HFSCALE_DEVICE_LOCK")
+    # A run folder started before grid recipes' search keys were refused resumes as it started.
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = yaml.safe_load((REPO / "recipes" / "cpu_small.yaml").read_text())
+    (run / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "sweep": {"max_runs": 5}}), encoding="utf-8")
+    (run / "results.jsonl").write_text("", encoding="utf-8")
+    (run / "environment.json").write_text(json.dumps({"sweep": {"timeout_s": math.inf}}), encoding="utf-8")
+    assert sweep(["--resume", str(run), "--dry-run"]) == 0, capsys.readouterr().err
+    (run / "environment.json").write_text('{"sweep": {"timeout_s": NaN}}', encoding="utf-8")
+    assert sweep(["--resume", str(run), "--dry-run"]) == 2
+    assert "environment.json records timeout_s must be a finite number, got nan" in capsys.readouterr().err
+
+
+def test_a_broken_link_in_the_way_of_a_run_folder_is_named(tmp_path, capsys):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert sweep(["cpu_small", "--only", "fp32", "--run-dir", str(tmp_path / "dangling" / "run")]) == 2
+    assert f"{tmp_path / 'dangling'} is not a folder (a file, or a broken link)" in capsys.readouterr().err
