@@ -46,6 +46,19 @@ def sweep(tmp_path, name: str, **settings):
     )
 
 
+def _probing(monkeypatch) -> list[str]:
+    """Every largest-batch search answers 16 (first out of memory at 32); returns the trials searched."""
+    searched = []
+
+    def search_trial(spec, row, probe, **_):
+        searched.append(row.trial)
+        result = BatchSearchResult(max_batch_size=16, first_oom_batch_size=32)
+        return BatchSearchRecord(searched=True, result=result, start_from="the trial's batch size")
+
+    monkeypatch.setattr(hfscale.sweep.loop, "search_trial", search_trial)
+    return searched
+
+
 def test_the_search_prunes_the_slow_trials_and_records_why(tmp_path, monkeypatch):
     launched = scripted_launches(monkeypatch, speed)
     sweep(tmp_path, "run")
@@ -100,14 +113,7 @@ def test_a_trial_the_estimate_says_cannot_fit_is_a_skipped_row_and_never_runs(tm
 
 def test_only_contenders_get_their_largest_batch_searched_and_it_joins_the_search(tmp_path, monkeypatch):
     launched = scripted_launches(monkeypatch, speed)
-    searched = []
-
-    def search_trial(spec, row, probe, **_):
-        searched.append(row.trial)
-        result = BatchSearchResult(max_batch_size=16, first_oom_batch_size=32)
-        return BatchSearchRecord(searched=True, result=result, start_from="the trial's batch size")
-
-    monkeypatch.setattr(hfscale.sweep.loop, "search_trial", search_trial)
+    searched = _probing(monkeypatch)
     data = {**RECIPE, "trials": [{"name": "a", "batch": "both"}, {"name": "b"}, {"name": "c", "batch": "both"}]}
     run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
     assert searched == ["a"]  # c was pruned before anything was searched
@@ -306,19 +312,6 @@ def test_a_search_with_a_recipe_floor_relative_to_the_recipe_resumes(tmp_path, m
     run_sweep(None, resume=tmp_path / "run", settings=SweepSettings(max_runs=100), report=False, progress=print)
     floor = RunFolder(tmp_path / "run").search().noise_floor
     assert floor is not None and str((tmp_path / "grid").resolve()) in floor.source
-
-
-def _probing(monkeypatch) -> list[str]:
-    """Every largest-batch search answers 16 (first out of memory at 32); returns the trials searched."""
-    searched = []
-
-    def search_trial(spec, row, probe, **_):
-        searched.append(row.trial)
-        result = BatchSearchResult(max_batch_size=16, first_oom_batch_size=32)
-        return BatchSearchRecord(searched=True, result=result, start_from="the trial's batch size")
-
-    monkeypatch.setattr(hfscale.sweep.loop, "search_trial", search_trial)
-    return searched
 
 
 def test_no_probe_runs_once_the_run_budget_is_spent_and_the_answer_so_far_stays(tmp_path, monkeypatch):
