@@ -60,6 +60,13 @@ def _find_trainer(callback: TrainerCallback) -> Any | None:
     return None
 
 
+def _trains(trainer: Any, model: Any) -> bool:
+    """Whether ``model`` (an event's) is ``trainer``'s: its model, or the one its callbacks are given (FSDP1 swaps
+    ``trainer.model`` for its wrapper; the callback handler keeps the original)."""
+    handler = getattr(trainer, "callback_handler", None)
+    return trainer.model is model or getattr(handler, "model", None) is model
+
+
 def _batch_counts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
     """``(samples, tokens)`` in one forward call's inputs: the first dimension of ``input_ids`` (or the first batch
     key present, or the first positional tensor), and samples x sequence length for token inputs; ``(0, 0)`` when
@@ -108,11 +115,15 @@ class _TrainerBoundCallback(TrainerCallback):
         self._bound_ref = weakref.ref(trainer)
         return self
 
-    def _begin_run(self) -> None:
+    def _begin_run(self, model: Any = None) -> None:
+        """Find the Trainer of the run beginning (``model``: the one ``on_train_begin`` was given): the bound one if
+        it is that run's (a callback bound to one Trainer and reused in another must report to the other), else
+        the Trainer whose on_train_begin event is running."""
         bound = getattr(self, "_bound_ref", None)
         trainer = bound() if bound is not None else None
+        if trainer is not None and model is not None and not _trains(trainer, model):
+            trainer = None  # bound to another Trainer than the one training now
         if trainer is None:
-            # Fallback for a callback nobody bound: the Trainer whose on_train_begin event is running.
             trainer = _find_trainer(self)
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
         self._finished = False

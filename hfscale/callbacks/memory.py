@@ -72,7 +72,7 @@ class MemoryCallback(_SummaryCallback):
     # -- events ------------------------------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._begin_run()
+        self._begin_run(model)
         self.summary = None
         self._remove_hook()
         self._probe: MemoryProbe = probe_for(args.device)

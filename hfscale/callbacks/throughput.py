@@ -140,7 +140,7 @@ class ThroughputCallback(_SummaryCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         import torch
 
-        self._begin_run()
+        self._begin_run(model)
         self.summary = None
         self._remove_hook()
         self._samples: list[int] = []
@@ -166,7 +166,7 @@ class ThroughputCallback(_SummaryCallback):
                 # Upstream of the first trainable parameter no gradient flows: read where, once (hooks would be
                 # traced into a compiled graph, so not under torch_compile).
                 self._flow_probe = GradientFlowProbe(model)
-        self._warn_if_short(state.max_steps)
+        self._warn_if_short(state.max_steps - state.global_step)  # a resumed run has only the steps left
         on_cuda = torch.device(args.device).type == "cuda"
         self._timer: _PerfCounterTimer | _CudaEventTimer = _CudaEventTimer() if on_cuda else _PerfCounterTimer()
         self._timer.mark()
@@ -175,15 +175,15 @@ class ThroughputCallback(_SummaryCallback):
         if isinstance(self.warmup_steps, int):
             if max_steps < self.warmup_steps + 2:
                 logger.warning(
-                    "ThroughputCallback: training has %d optimizer steps, fewer than warmup_steps + 2 = %d: "
+                    "ThroughputCallback: training has %d optimizer steps to run, fewer than warmup_steps + 2 = %d: "
                     "throughput figures will be None; train longer or lower warmup_steps",
                     max_steps,
                     self.warmup_steps + 2,
                 )
         elif max_steps < MIN_STEPS:
             logger.warning(
-                "ThroughputCallback: training has %d optimizer steps, fewer than the %d a warm-up is detected on "
-                '(warmup_steps="auto"): no step will be left out and steady_state will be False; train longer or '
+                "ThroughputCallback: training has %d optimizer steps to run, fewer than the %d a warm-up is detected "
+                'on (warmup_steps="auto"): no step will be left out and steady_state will be False; train longer or '
                 "give warmup_steps as a number",
                 max_steps,
                 MIN_STEPS,

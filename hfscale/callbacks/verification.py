@@ -93,6 +93,7 @@ class VerificationCallback(_TrainerBoundCallback):
 
     def bind(self, trainer: Any) -> VerificationCallback:
         super().bind(trainer)
+        self._params_total = None  # another Trainer's model, if it was bound or built with one before
         if trainer.model_wrapped is trainer.model:  # not wrapped yet: FSDP1 keeps only its shard once it is
             self._count_parameters(trainer.model)
         return self
@@ -104,7 +105,7 @@ class VerificationCallback(_TrainerBoundCallback):
             self._count_parameters(model)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._begin_run()
+        self._begin_run(model)
         self.record = None
         self.mismatches = []
         self._samples = 0
@@ -129,8 +130,7 @@ class VerificationCallback(_TrainerBoundCallback):
     def _count_parameters(self, model: Any) -> None:
         from hfscale.measure.verify import count_parameters_held
 
-        if self._params_total is None:
-            self._params_total, _ = count_parameters_held(model)
+        self._params_total, _ = count_parameters_held(model)  # each Trainer's model: at its init, or when bound
 
     def _count_samples(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training:

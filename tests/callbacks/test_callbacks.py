@@ -316,7 +316,7 @@ def test_auto_warmup_counts_only_uninterrupted_steps():
 def test_auto_warmup_on_too_short_a_run_leaves_nothing_out_and_says_so(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
         s = _drive(ThroughputCallback("auto"), [0.3, 0.1, 0.1], monkeypatch, tmp_path)
-    assert "training has 3 optimizer steps, fewer than the 4 a warm-up is detected on" in caplog.text
+    assert "training has 3 optimizer steps to run, fewer than the 4 a warm-up is detected on" in caplog.text
     assert (s.warmup_steps, s.measured_steps, s.warmup_detected, s.steady_state) == (0, 3, True, False)
     assert s.step_time_mean_s == pytest.approx(0.5 / 3)  # still measured, and marked as not steady
 
@@ -802,6 +802,41 @@ def test_attach_binds_callbacks_without_searching_the_call_stack(tmp_path, monke
     trainer.train()
     history = trainer.state.log_history
     assert _entries_with(history, "memory/") and _entries_with(history, "throughput/")
+
+
+def test_a_callback_bound_to_one_trainer_reports_to_the_next_one_it_runs_in(tmp_path):
+    """attach(a, callback), then the same callback in another Trainer: b's run is b's, logged into b, and verified
+    against b's model (its parameters, not a's)."""
+    from hfscale.callbacks import VerificationCallback, attach
+    from hfscale.strategy import Strategy
+
+    throughput, verify = ThroughputCallback(0), VerificationCallback(Strategy(device="cpu"), on_mismatch="warn")
+    first = _verify_trainer(tmp_path / "a", Strategy(device="cpu"))
+    attach(first, throughput, verify)
+    first.train()
+    bigger = dict(TINY_BERT, num_hidden_layers=TINY_BERT["num_hidden_layers"] + 2)
+    second = Trainer(
+        model=BertForSequenceClassification(BertConfig(**bigger)),
+        args=first.args,
+        train_dataset=make_classification_dataset(16, 16),
+        callbacks=[throughput, verify],
+    )
+    second.train()
+    assert len(_entries_with(first.state.log_history, "throughput/")) == 1  # its own run only
+    assert _entries_with(second.state.log_history, "throughput/") and _entries_with(second.state.log_history, "verify/")
+    assert verify.record.params_total == sum(p.numel() for p in second.model.parameters())
+
+
+def test_a_resumed_run_is_warned_of_the_steps_it_has_left(tmp_path, caplog):
+    first = Trainer(model=_tiny_bert(), args=_args(tmp_path, max_steps=10, save_strategy="steps", save_steps=8),
+                    train_dataset=make_classification_dataset(64, 16))  # fmt: skip
+    first.train()
+    throughput = ThroughputCallback(5)
+    data = make_classification_dataset(64, 16)
+    again = Trainer(model=_tiny_bert(), args=_args(tmp_path, max_steps=10), train_dataset=data, callbacks=[throughput])
+    with caplog.at_level(logging.WARNING, logger="hfscale.callbacks"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    assert "training has 2 optimizer steps to run, fewer than warmup_steps + 2 = 7" in caplog.text
 
 
 def test_bind_refuses_a_non_trainer_and_a_trainer_without_the_callback(tmp_path):
