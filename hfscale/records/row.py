@@ -41,6 +41,9 @@ no run, a marker whose ``search`` holds the evidence (the trial's runs are its o
 
 TRIAL_STATUSES: tuple[str, ...] = get_args(TrialStatus)
 """Every :data:`TrialStatus`, in the order written there (read from the Literal, so they are listed once)."""
+RAN_STATUSES = ("ok", "not_applied")
+"""A run that trained to the end and wrote its result (whether or not its strategy took effect); a grid repeats
+only these, and only these have measured figures."""
 
 OutcomeStatus = Literal["ok", "not_applied"]
 
@@ -90,7 +93,7 @@ class TrialOutcome:
     """ISO 8601 UTC time the result was written."""
 
     def __post_init__(self) -> None:
-        if self.status not in ("ok", "not_applied"):
+        if self.status not in RAN_STATUSES:
             raise ValueError(f"TrialOutcome.status: expected 'ok' or 'not_applied', got {self.status!r}")
 
     @property
@@ -247,7 +250,7 @@ class TrialResult:
         """One line for a finished trial: status, samples/s, peak memory (and the predicted peak), wall time (or the
         reason it failed)."""
         parts: list[str] = [self.status]
-        if self.status in ("ok", "not_applied"):
+        if self.status in RAN_STATUSES:
             sps = self.samples_per_s if self.samples_per_s is not None else self.train_samples_per_second
             peak, predicted = self.peak_gib, self.predicted_gib
             parts.append(f"{sps:.2f} samples/s" if sps is not None else "samples/s n/a")
@@ -356,7 +359,7 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     row["estimate_error"] = extra.get("estimate_error")
     if "command" in extra:
         row["launch"] = {key: extra[key] for key in _V1_LAUNCH if key in extra}
-    if data.get("status") in ("ok", "not_applied") and any(data.get(k) is not None for k in _V1_MEASURED):
+    if data.get("status") in RAN_STATUSES and any(data.get(k) is not None for k in _V1_MEASURED):
         row["measured"] = {
             "trial": data["trial"],
             "status": data["status"],
@@ -377,6 +380,7 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "RAN_STATUSES",
     "SCHEMA_VERSION",
     "TRIAL_STATUSES",
     "LaunchRecord",

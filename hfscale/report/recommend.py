@@ -184,7 +184,15 @@ def _fastest_lines(
                 "**{name}** is marked only because {why}.",
                 fits=", ".join(_fit_text(r) for r in tied),
                 name=leader["trial"],
-                why=_why_fastest_marked(leader, tied),
+                why=_why_marked(
+                    leader,
+                    tied,
+                    (_SPEED, _MEMORY),
+                    (
+                        "its point estimate is the highest",
+                        "of those with the highest point estimate it needs the least memory",
+                    ),
+                ),
             )
         )
         return leader, line + left_out, tuple(n for n in names if n != leader["trial"])
@@ -209,27 +217,24 @@ def _fastest_lines(
     return best, line + left_out, tuple(n for n in names if n != best["trial"])
 
 
-def _why_fastest_marked(leader: pd.Series, tied: list[pd.Series]) -> str:
-    """Why ``leader`` is the one marked among ``tied`` trials of equal memory: the order :func:`pick_fastest` ranks
-    them in (speed, then memory, then the table's order), said as it applies."""
-    others = [r for r in tied if r["trial"] != leader["trial"]]
-    if all(leader["samples_per_s"] > r["samples_per_s"] for r in others):
-        return "its point estimate is the highest"
-    level = [r for r in others if r["samples_per_s"] == leader["samples_per_s"]]
-    if all(leader["fit_gib"] < r["fit_gib"] for r in level):
-        return "of those with the highest point estimate it needs the least memory"
-    return "it comes first in the table (their figures are equal)"
+_SPEED, _MEMORY = ("samples_per_s", True), ("fit_gib", False)
+"""A figure a tie is broken by, and whether higher is better."""
+_FRUGAL_WHY = (
+    "its memory figure is the lowest",
+    "of those with the lowest memory figure its point estimate of speed is the highest",
+)
 
 
-def _why_frugal_marked(leader: pd.Series, tied: list[pd.Series]) -> str:
-    """Why ``leader`` is the one marked among ``tied`` trials of equal speed: memory, then speed, then the table's
-    order (the order :func:`_frugal_lines` sorts them in), said as it applies."""
-    others = [r for r in tied if r["trial"] != leader["trial"]]
-    if all(leader["fit_gib"] < r["fit_gib"] for r in others):
-        return "its memory figure is the lowest"
-    level = [r for r in others if r["fit_gib"] == leader["fit_gib"]]
-    if all(leader["samples_per_s"] > r["samples_per_s"] for r in level):
-        return "of those with the lowest memory figure its point estimate of speed is the highest"
+def _why_marked(
+    chosen: pd.Series, tied: list[pd.Series], order: tuple[tuple[str, bool], ...], why: tuple[str, ...]
+) -> str:
+    """Why ``chosen`` is the one marked among ``tied``: the first figure of ``order`` it is strictly best at among
+    those equal to it on the figures before (``why`` says each), else the table's order (all figures equal)."""
+    others = [r for r in tied if r["trial"] != chosen["trial"]]
+    for (key, higher), words in zip(order, why, strict=True):
+        if all(chosen[key] > r[key] if higher else chosen[key] < r[key] for r in others):
+            return words
+        others = [r for r in others if r[key] == chosen[key]]
     return "it comes first in the table (their figures are equal)"
 
 
@@ -262,7 +267,7 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
             rich(
                 "Their speeds tie too, so either will do; **{name}** is marked only because {why}.",
                 name=leader["trial"],
-                why=_why_frugal_marked(leader, tied),
+                why=_why_marked(leader, tied, (_MEMORY, _SPEED), _FRUGAL_WHY),
             )
         )
         return leader, lines
@@ -272,7 +277,7 @@ def _frugal_lines(candidates: pd.DataFrame, evidence: SweepNoise) -> tuple[pd.Se
                 "Speed does not break the tie: no test shows one of them faster than all the others (some tie, or "
                 "have fewer than two runs, or may be unstable); **{name}** is marked only because {why}.",
                 name=leader["trial"],
-                why=_why_frugal_marked(leader, tied),
+                why=_why_marked(leader, tied, (_MEMORY, _SPEED), _FRUGAL_WHY),
             )
         )
         return leader, lines

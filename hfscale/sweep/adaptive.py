@@ -24,11 +24,11 @@ from hfscale.recipes.recipe import adaptive_refusal
 from hfscale.recipes.schema import RecipeTrial, SweepOptions
 from hfscale.records.activity import others_busy
 from hfscale.records.batch import max_batch_base
-from hfscale.records.row import TrialResult
+from hfscale.records.row import RAN_STATUSES, TrialResult
 from hfscale.records.search import NoiseFloor, SearchDecision, SearchSummary
 from hfscale.report.noise import run_rates
 from hfscale.report.trials import fit_memory
-from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, read_results
+from hfscale.results.run_folder import RESULTS_FILE, SEARCH_FILE, RunFolder, RunFolderError, read_results
 from hfscale.results.stats import outliers, pooled_noise
 from hfscale.sweep.batch_axis import mark_max_batch, max_batch_trial
 from hfscale.sweep.search import (
@@ -51,8 +51,6 @@ MIN_SHORT_STEPS = 20
 are called unsteady, docs/callbacks.md), and the steps after it must hold a figure as steady as a full run's."""
 
 
-ADAPTIVE_STOPPING = "adaptive search"
-"""How a row an adaptive search made says so (its ``stopping``, :func:`adaptive_mark`)."""
 ADAPTIVE_ONLY = ("min_samples_per_s", "max_time_s", "max_runs", "noise_floor")
 """Settings that only an adaptive search reads: a grid refuses them rather than ignore them."""
 
@@ -178,8 +176,8 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
         rows = read_results(folder)
     except (OSError, ValueError) as exc:
         raise SweepError(f"--noise-floor {spec}: cannot read its rows: {exc}") from exc
-    # search.json is written when a search ends; an interrupted one's rows say so themselves (adaptive_mark).
-    if (folder / SEARCH_FILE).is_file() or any(_searched(row) for row in rows):
+    # search.json is written when a search ends; the settings recorded when it started say so from the start.
+    if (folder / SEARCH_FILE).is_file() or _recorded_search(folder) == "adaptive":
         raise SweepError(
             f"--noise-floor {spec}: an adaptive search's run folder: its repeats ran close together, which is the "
             "noise a floor must not come from; give a grid sweep's run folder"
@@ -198,9 +196,12 @@ def noise_floor_of(spec: str | None) -> NoiseFloor | None:
     return NoiseFloor(sd=noise.sd, df=noise.df, source=source)
 
 
-def _searched(row: TrialResult) -> bool:
-    """Whether an adaptive search made ``row`` (its decision rows, and the runs :func:`adaptive_mark` marked)."""
-    return row.search is not None or (row.stopping or "").startswith(ADAPTIVE_STOPPING)
+def _recorded_search(folder: Path) -> str | None:
+    """The search a run folder's sweep was started with (``environment.json``: ``sweep.search``), None unknown."""
+    try:
+        return RunFolder(folder).environment().get("sweep", {}).get("search")
+    except (OSError, RunFolderError, AttributeError):
+        return None
 
 
 def _undisturbed_runs(rows: Sequence[TrialResult]) -> tuple[dict[str, list[float]], list[str]]:
@@ -301,15 +302,14 @@ def _grid_runs(run: PlannedRun, stored: Mapping[Key, TrialResult]) -> int:
     if run.skip_reason is not None:
         return 0
     first = stored.get((run.name, 0))
-    if first is not None and (first.status not in ("ok", "not_applied") or first.search is not None):
+    if first is not None and (first.status not in RAN_STATUSES or first.search is not None):
         return 1  # failed on its first run (the grid repeats only ok and not_applied), or skipped on the estimate
     return run.trial.spec.measure.repeats
 
 
 def _full_run_walls(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> dict[str, list[float]]:
-    """Each trial's launched runs' wall times at the length the grid runs them. A first run the search made short
-    (:func:`first_run`) is lengthened by the steps it left out, at its own measured mean step time; where that is
-    not known it counts as it ran (so the grid's time is then underestimated, never overstated)."""
+    """Each trial's launched runs' wall times at full length: a short first run (:func:`first_run`) plus the steps it
+    left out at its own mean step time (unknown: as it ran, so the grid's time is underestimated, never overstated)."""
     by_name = {run.name: run for run in firsts}
     walls: dict[str, list[float]] = {}
     for (name, repeat), row in stored.items():
@@ -479,7 +479,7 @@ def adaptive_mark(row: TrialResult, run: PlannedRun, stored: dict[Key, TrialResu
         steps = f"{measure.max_steps} optimizer steps, " if measure.max_steps is not None else ""
         short = f" (its first: {steps}the warm-up detected)"
     return dataclasses.replace(
-        row, stopping=f"{ADAPTIVE_STOPPING}: runs until the answer is decided within the noise{short}"
+        row, stopping=f"adaptive search: runs until the answer is decided within the noise{short}"
     )
 
 

@@ -47,7 +47,7 @@ from hfscale.launch.process import free_port
 from hfscale.launch.rows import launch_trial
 from hfscale.recipes.schema import Recipe, RecipeTrial
 from hfscale.records.batch import BatchSearchRecord, ProbeOutcome
-from hfscale.records.row import TrialResult
+from hfscale.records.row import RAN_STATUSES, TrialResult
 from hfscale.records.search import NoiseFloor
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
 from hfscale.sweep.adaptive import AdaptiveSearch, adaptive_mark, question_of
@@ -191,7 +191,7 @@ class Sweep:
                 if run.name in failed_before:
                     run = dataclasses.replace(run, skip_reason=failed_before[run.name])
                 row = self._launch(run, prefix, elapsed=time.monotonic() - start)
-                if row.status not in ("ok", "not_applied") and run.repeat + 1 < run.repeats:
+                if row.status not in RAN_STATUSES and run.repeat + 1 < run.repeats:
                     failed_before[run.name] = f"repeat {run.repeat + 1} ended {row.status}; not repeated"
             if self._needs_search(run, row):
                 self._search(run, row, prefix)

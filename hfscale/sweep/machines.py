@@ -48,7 +48,7 @@ from pathlib import Path
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import PlannedRun, SweepError, SweepSettings
 from hfscale.launch.rows import planned_row
-from hfscale.records.row import LaunchRecord, TrialResult
+from hfscale.records.row import RAN_STATUSES, LaunchRecord, TrialResult
 from hfscale.results.run_folder import RunFolder, RunFolderWriteError
 from hfscale.sweep.channel import Absent, ChannelError, Coordinator, _absent, is_loopback, route_address
 from hfscale.sweep.messages import (
@@ -162,7 +162,7 @@ def merge_machine_reports(
         launch = replace(launch, machine_dirs=dirs)
     if not failures and not late and row.status not in ("oom", "crashed", "timeout"):
         return replace(row, launch=launch)
-    if row.status in ("ok", "not_applied"):
+    if row.status in RAN_STATUSES:
         if launch is not None and (failures or late):
             note = "; ".join(text for _, _, text, _ in [*failures, *late])
             launch = replace(launch, after_result="; ".join(filter(None, [launch.after_result, note])))
