@@ -1,19 +1,25 @@
 """The configs ``hfscale config`` writes, run as printed in a user's own script (tests/scripts/user_script.py:
-TrainingArguments first, then the model, then the Trainer), and proved by the VerificationCallback's record.
+TrainingArguments first, then the model, then the Trainer with the MemoryCallback and ThroughputCallback added),
+proved by the VerificationCallback's record and measured by the user's callbacks on every rank.
 
-One launch per configuration (tiny BERT, 3 steps), with exactly the printed ``accelerate launch`` command and the
-printed extra lines. The DeepSpeed cases reuse the ops already built under ``TORCH_EXTENSIONS_DIR`` (building
-them takes minutes).
+One launch per configuration (tiny BERT, 6 steps), with exactly the printed ``accelerate launch`` command and the
+printed extra lines, made once per module and read by every test that needs its evidence: the configuration ran as
+asked, and the callbacks' figures hold under it (two DDP processes: per-rank memory and global throughput; ZeRO-2
+with gradient accumulation: the optimizer step inside backward). The DeepSpeed cases reuse the ops already built
+under ``TORCH_EXTENSIONS_DIR`` (building them takes minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ import pytest
 from helpers.paths import GOLDEN, SCRIPTS
 from helpers.teardown import exited_or_aborted_at_teardown
 
+from hfscale.callbacks import MEMORY_PHASES
 from hfscale.commands.config import main as config_main
 from hfscale.launch.process import free_port
 from hfscale.techniques import fsdp_cpu
@@ -113,10 +120,42 @@ class Printed:
     """The printed lines for the script (indented, after a line ending in ':'), launch and TrainingArguments aside."""
 
 
-def write_configs(argv: list[str], cfg: Path, capsys: pytest.CaptureFixture) -> Printed:
-    assert config_main([*argv, "--main-process-port", str(free_port()), "--out", str(cfg)]) == 0
-    out = capsys.readouterr().out
-    indented = [line.strip() for line in out.splitlines() if line.startswith("  ") and not line.startswith("  /")]
+@dataclass
+class Launch:
+    """One printed configuration run in the user's script: what was printed, and what the run left."""
+
+    cfg: Path
+    out: Path
+    printed: Printed
+    proc: subprocess.CompletedProcess
+
+    def strategy(self) -> dict[str, Any]:
+        return json.loads((self.cfg / "strategy.json").read_text())
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """Each rank's record (tests/scripts/user_script.py), in rank order."""
+        return [json.loads(path.read_text()) for path in sorted(self.out.glob("rank*.json"))]
+
+    def verification(self) -> list[dict[str, Any]]:
+        """Each rank's ``verify/`` record from its log history, the prefix left out."""
+        records = []
+        for rank in self.ranks():
+            (entry,) = [e for e in rank["log_history"] if "verify/ok" in e]
+            records.append({k.removeprefix("verify/"): v for k, v in entry.items() if k.startswith("verify/")})
+        return records
+
+    def summary(self, name: str) -> dict[str, Any]:
+        """A callback's own JSON (``memory`` or ``throughput``), written by the main process."""
+        return json.loads((self.out / f"{name}.json").read_text())
+
+
+def write_configs(argv: list[str], cfg: Path) -> Printed:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert config_main([*argv, "--main-process-port", str(free_port()), "--out", str(cfg)]) == 0
+    indented = [
+        line.strip() for line in printed.getvalue().splitlines() if line.startswith("  ") and not line.startswith("  /")
+    ]
     (launch,) = [line for line in indented if line.startswith("accelerate launch ")]
     assert launch.endswith(" your_script.py")
     others = [line for line in indented if line != launch and not line.startswith("TrainingArguments(")]
@@ -134,17 +173,25 @@ def run_printed(printed: Printed, cfg: Path, out: Path) -> subprocess.CompletedP
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
 
 
-def verify_records(out: Path) -> list[dict[str, Any]]:
-    records = []
-    for path in sorted(out.glob("log_history_rank*.json")):
-        (entry,) = [e for e in json.loads(path.read_text()) if "verify/ok" in e]
-        records.append({k.removeprefix("verify/"): v for k, v in entry.items() if k.startswith("verify/")})
-    return records
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Launch]:
+    """Each configuration of :data:`CASES` launched once for the module, when a test first asks for it."""
+    done: dict[str, Launch] = {}
+
+    def launch(name: str) -> Launch:
+        if name not in done:
+            root = tmp_path_factory.mktemp(name)
+            cfg, out = root / "cfg", root / "out"
+            printed = write_configs(CASES[name].argv, cfg)
+            done[name] = Launch(cfg=cfg, out=out, printed=printed, proc=run_printed(printed, cfg, out))
+        return done[name]
+
+    return launch
 
 
-def test_the_script_holds_the_printed_lines_verbatim(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_script_holds_the_printed_lines_verbatim(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg"
-    printed = write_configs(CASES["fsdp2_full_shard_2proc_cpu"].argv, cfg, capsys)
+    printed = write_configs(CASES["fsdp2_full_shard_2proc_cpu"].argv, cfg)
     source = SCRIPT.read_text(encoding="utf-8")
     callback_line = (
         "from hfscale.callbacks import VerificationCallback, attach; "
@@ -161,35 +208,76 @@ def test_the_script_holds_the_printed_lines_verbatim(tmp_path: Path, capsys: pyt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_printed_config_runs_as_asked_in_a_user_script(
-    name: str, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    case = CASES[name]
-    cfg, out = tmp_path / "cfg", tmp_path / "out"
-    printed = write_configs(case.argv, cfg, capsys)
-    proc = run_printed(printed, cfg, out)
+def test_printed_config_runs_as_asked_in_a_user_script(name: str, launched: Callable[[str], Launch]) -> None:
+    case, run = CASES[name], launched(name)
     # Every rank's records, checked below, are the evidence (the script writes them before its group ends).
-    assert exited_or_aborted_at_teardown(proc.returncode, proc.stderr), proc.stderr[-4000:]
-    records = verify_records(out)
-    strategy = json.loads((cfg / "strategy.json").read_text())
-    assert len(records) == strategy["num_processes"]
+    assert exited_or_aborted_at_teardown(run.proc.returncode, run.proc.stderr), run.proc.stderr[-4000:]
+    records = run.verification()
+    world_size = run.strategy()["num_processes"]
+    assert len(records) == world_size
     for record in records:
         assert record["ok"] == 1, record.get("reason")
-        assert record["world_size"] == strategy["num_processes"]
+        assert record["world_size"] == world_size
         assert {key: record.get(key) for key in case.expect} == case.expect
+    # The user's callbacks measured the run under it: every memory phase, the global batch of every step.
+    memory, throughput = run.summary("memory"), run.summary("throughput")
+    assert memory["world_size"] == throughput["world_size"] == world_size
+    assert all(memory["phases_gib"][phase] is not None for phase in MEMORY_PHASES), memory
+    assert (
+        throughput["samples_per_step"] == throughput["samples_per_step_configured"] == records[0]["global_batch_size"]
+    )
+    assert throughput["measured_steps"] == 6 - 2
+    assert throughput["measured_samples"] == 4 * throughput["samples_per_step"]
 
 
 @pytest.mark.slow
-def test_the_callback_fails_a_run_whose_strategy_did_not_take_effect(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_two_processes_report_max_memory_and_global_throughput(launched: Callable[[str], Launch]) -> None:
+    """DDP over two processes: each rank's memory is its own, the summary the largest; throughput counts both."""
+    run = launched("ddp_8bit_2proc")
+    ranks = run.ranks()
+    # Two real ranks of one DDP group ran (not two independent processes).
+    assert [rank["rank"] for rank in ranks] == [0, 1] and [rank["dist_world_size"] for rank in ranks] == [2, 2]
+    mem = run.summary("memory")
+    assert [row["rank"] for row in mem["per_rank"]] == [0, 1]
+    assert mem["peak_gib"] == max(row["peak_gib"] for row in mem["per_rank"])
+    for row, rank in zip(mem["per_rank"], ranks, strict=True):
+        # Each rank's training peak is its own: positive, and within that process's high-water mark.
+        assert 0 < row["peak_gib"] <= rank["vmhwm_after_gib"] + 1 / 1024
+    for phase in MEMORY_PHASES:
+        assert mem["phases_gib"][phase] == max(row["phases_gib"][phase] for row in mem["per_rank"])
+    tp = run.summary("throughput")
+    assert tp["samples_per_step"] == 2 * 4  # counted on both ranks
+    assert tp["samples_per_s"] == pytest.approx(tp["samples_per_step"] / tp["step_time_mean_s"])
+    # Every rank ends with the same gathered summaries; the log carries each rank's peak.
+    assert ranks[1]["memory"] == ranks[0]["memory"] == mem
+    assert ranks[1]["throughput"] == ranks[0]["throughput"] == tp
+    (entry,) = [e for e in ranks[0]["log_history"] if any(k.startswith("memory/") for k in e)]
+    assert entry["memory/rank_1/peak_gib"] == mem["per_rank"][1]["peak_gib"]
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_zero2_with_accumulation_is_measured(launched: Callable[[str], Launch]) -> None:
+    """ZeRO-2 with two micro-batches a step: DeepSpeed steps the optimizer inside backward, and the memory summary
+    still finds every phase and says so; a step's samples are both micro-batches of both ranks."""
+    pytest.importorskip("deepspeed")
+    run = launched("zero2_2proc_cpu")
+    mem, tp = run.summary("memory"), run.summary("throughput")
+    assert any(note.startswith("DeepSpeed") for note in mem["notes"])
+    assert tp["samples_per_step"] == 8 * 2 * 2  # per-device batch x accumulation x processes
+    keys = {k for entry in run.ranks()[0]["log_history"] for k in entry}
+    assert {"memory/peak_gib", "throughput/samples_per_s", "loss"} <= keys
+
+
+@pytest.mark.slow
+def test_the_callback_fails_a_run_whose_strategy_did_not_take_effect(tmp_path: Path) -> None:
     """The FSDP config on CPU without the printed line: accelerate runs DDP, and the callback stops the run."""
     cfg, out = tmp_path / "cfg", tmp_path / "out"
-    printed = write_configs(CASES["fsdp2_full_shard_2proc_cpu"].argv, cfg, capsys)
+    printed = write_configs(CASES["fsdp2_full_shard_2proc_cpu"].argv, cfg)
     printed.lines.remove(fsdp_cpu.SCRIPT_LINE)
     proc = run_printed(printed, cfg, out)
     assert proc.returncode != 0
     assert "hfscale.measure.verify.VerificationError: what runs is not what was asked" in proc.stderr
     assert "accelerate ran as MULTI_CPU, expected FSDP" in proc.stderr
     assert "the model was wrapped as DDP" in proc.stderr
-    assert not list(out.glob("log_history_rank*.json"))  # training stopped at the first step
+    assert not list(out.glob("rank*.json"))  # training stopped at the first step

@@ -1,10 +1,13 @@
 """A user's own training script, written as the transformers examples are: TrainingArguments first, then the model,
-then the Trainer. It takes the files ``hfscale config --out CFG`` wrote and adds exactly the lines it printed.
+then the Trainer with hfscale's MemoryCallback and ThroughputCallback added. It takes the files ``hfscale config --out
+CFG`` wrote and adds exactly the lines it printed.
 
-Launched by tests/test_user_configs.py with the printed command:
+Launched by tests/scenarios/test_user_configs.py with the printed command:
 ``accelerate launch --config_file CFG/accelerate.yaml THIS CFG OUT [--fsdp2-on-cpu]``. ``--fsdp2-on-cpu`` runs the
-extra line ``hfscale config`` prints for FSDP on CPU (the test passes it only when the line was printed). Every rank
-writes ``OUT/log_history_rank{R}.json`` (the Trainer's log history, with the ``verify/`` record) after training.
+extra line ``hfscale config`` prints for FSDP on CPU (the test passes it only when the line was printed). The
+callbacks write ``OUT/memory.json`` and ``OUT/throughput.json`` (gathered over the ranks); after training every rank
+writes ``OUT/rank{R}.json``: the Trainer's log history (with the ``verify/`` record), the callbacks' summaries as that
+rank holds them, the process group that really ran, and the process's resident high-water mark.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ if "--fsdp2-on-cpu" in sys.argv[3:]:
 
 from transformers import AutoConfig, AutoModelForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
+from hfscale.callbacks import MemoryCallback, ThroughputCallback  # noqa: E402
 from hfscale.workload.data import make_classification_dataset  # noqa: E402
+
+STEPS, WARMUP = 6, 2
 
 args = TrainingArguments(
     output_dir=os.path.join(out, "trainer"),
-    max_steps=3,
+    max_steps=STEPS,
     logging_steps=1,
     save_strategy="no",
     report_to="none",
@@ -45,20 +51,33 @@ config = AutoConfig.for_model(
 )
 model = AutoModelForSequenceClassification.from_config(config)
 train_dataset = make_classification_dataset(256, 32, token_high=1000)
-trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+memory = MemoryCallback(output_path=os.path.join(out, "memory.json"))
+throughput = ThroughputCallback(WARMUP, output_path=os.path.join(out, "throughput.json"))
+trainer = Trainer(model=model, args=args, train_dataset=train_dataset, callbacks=[memory, throughput])
 # fmt: off
 from hfscale.callbacks import VerificationCallback, attach; attach(trainer, VerificationCallback(cfg))  # noqa: E402, E702, I001
 # fmt: on
 trainer.train()
 
-with open(os.path.join(out, f"log_history_rank{args.process_index}.json"), "w") as fh:
-    json.dump(trainer.state.log_history, fh, indent=2)
+import torch.distributed as dist  # noqa: E402
+
+from hfscale.core.units import GIB  # noqa: E402
+from hfscale.measure.memory import cpu_peak_rss_bytes  # noqa: E402
+
+record = {
+    "rank": args.process_index,
+    "dist_world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+    "vmhwm_after_gib": cpu_peak_rss_bytes() / GIB,
+    "memory": memory.summary.to_dict(),
+    "throughput": throughput.summary.to_dict(),
+    "log_history": trainer.state.log_history,
+}
+with open(os.path.join(out, f"rank{args.process_index}.json"), "w") as fh:
+    json.dump(record, fh, indent=2)
 
 # End the process group before the interpreter exits, once every rank has written its file: its background threads
 # otherwise race the teardown ("terminate called without an active exception", seen in 2-process FSDP2 runs on CPU),
 # and a rank aborting at exit makes the launcher end the others.
-import torch.distributed as dist  # noqa: E402
-
 if dist.is_available() and dist.is_initialized():
     dist.barrier()
     dist.destroy_process_group()
