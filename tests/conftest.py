@@ -43,21 +43,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = _in_the_order_files_should_start(items)
 
 
+START_FIRST = ("tests/sweep/test_slurm_cluster.py", "tests/scenarios/test_install.py")
+"""Files handed out before the others: most of their wall time is spent off the session's device lock (the Slurm
+test waits on its cluster's daemons, which take locks of their own; the wheel test builds a wheel and a venv before
+its one trial), so the other files' trials overlap them without waiting."""
+
+
 def _in_the_order_files_should_start(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The Slurm test's file first, then pytest-xdist's own order (the files with the most tests first), each file's
-    tests in their own order.
+    """:data:`START_FIRST`, then pytest-xdist's own order (the files with the most tests first), each file's tests in
+    their own order.
 
     Under ``pytest -n 3 --dist loadfile --no-loadscope-reorder`` (tox) the workers take whole files in this order.
-    In xdist's order the Slurm test, a file of three tests, came last and ran alone for about 40 s while a core
-    idled: most of its minute is spent waiting on its cluster's daemons, which the other files' work now overlaps.
-    Every file with slow tests first was slower: their trials waited on each other's device lock (docs/development.md).
-    """
+    In xdist's order those files, of one and three tests, came last: the Slurm test ran alone for about 40 s while a
+    core idled. Every file with slow tests first was slower: their trials waited on each other's device lock
+    (docs/development.md)."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
-    def starts_early(tests: list[pytest.Item]) -> tuple[bool, int]:
-        return ("slurm" not in tests[0].keywords, -len(tests))
+    def starts_early(tests: list[pytest.Item]) -> tuple[int, int]:
+        path = tests[0].nodeid.split("::", 1)[0]
+        return (START_FIRST.index(path) if path in START_FIRST else len(START_FIRST), -len(tests))
 
     return [item for tests in sorted(files.values(), key=starts_early) for item in tests]
 
