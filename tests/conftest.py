@@ -43,10 +43,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = _in_the_order_files_should_start(items)
 
 
-START_FIRST = ("tests/sweep/test_slurm_cluster.py", "tests/scenarios/test_install.py")
-"""Files handed out before the others: most of their wall time is spent off the session's device lock (the Slurm
-test waits on its cluster's daemons, which take locks of their own; the wheel test builds a wheel and a venv before
-its one trial), so the other files' trials overlap them without waiting."""
+START_FIRST = (
+    "tests/sweep/test_slurm_cluster.py",
+    "tests/scenarios/test_install.py",
+    "tests/scenarios/test_script.py",
+    "tests/scenarios/test_adaptive.py",
+)
+"""Files handed out before the others, in this order. The first two spend most of their wall time off the session's
+device lock (the Slurm test waits on its cluster's daemons, which take locks of their own; the wheel test builds a
+wheel and a venv before its one trial); the other two are one long sweep each (11 runs; a search with a resume),
+which in xdist's order came last and ended the suite alone on one core."""
 
 
 def _in_the_order_files_should_start(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -54,9 +60,9 @@ def _in_the_order_files_should_start(items: list[pytest.Item]) -> list[pytest.It
     their own order.
 
     Under ``pytest -n 3 --dist loadfile --no-loadscope-reorder`` (tox) the workers take whole files in this order.
-    In xdist's order those files, of one and three tests, came last: the Slurm test ran alone for about 40 s while a
-    core idled. Every file with slow tests first was slower: their trials waited on each other's device lock
-    (docs/development.md)."""
+    In xdist's order those files, of one to six tests, came last, and the suite ended with one of them running alone
+    while a core idled (the Slurm test for about 40 s). Every file with slow tests first was slower: their trials
+    waited on each other's device lock (docs/development.md)."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)

@@ -509,10 +509,13 @@ def test_a_killed_second_machine_is_a_failure_row_and_the_sweep_finishes(tmp_pat
     port = _free_port_block(40000, 50000)
     cmds = job.node_commands(main_addr="127.0.0.1", port=port)
     logs = [open(tmp_path / f"node{k}.log", "w") for k in (0, 1)]  # noqa: SIM115 (closed below)
+    # Device locks of its own: in the session's folder machine 0's driver waits for the other tests' trials while
+    # machine 1's rank waits for it at the rendezvous, both idle (tests/helpers/slurm.py says the same of Slurm's).
+    env = {**_env(), "HFSCALE_LOCK_DIR": str(tmp_path / "locks")}
     start = time.monotonic()
     try:
         procs = [
-            subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             for cmd, log in zip(cmds, logs, strict=True)
         ]
         # Mid-trial: once machine 1's rank has run a backward pass (DDP's reducer speaks then), or after 90 s.
