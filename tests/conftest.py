@@ -14,7 +14,8 @@ from helpers.runs import TINY_SWEEP_RECIPE, made_once, one_thread, session_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite's sweeps take turns on the device locks of this session only, not with other sweeps on the machine.
+# The suite's sweeps take turns on the device locks of this session only, not with other sweeps on the machine (the
+# Slurm cluster's and the killed-second-machine test's lock in folders of their own: tests/helpers/slurm.py).
 os.environ.setdefault("HFSCALE_LOCK_DIR", tempfile.mkdtemp(prefix="hfscale-test-locks-"))
 # Every process started from here on (xdist's workers, and what the tests launch) runs tests/site/sitecustomize.py.
 _SITE = str(Path(__file__).parent / "site")
@@ -30,8 +31,10 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection, so the order counts the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip hardware-bound tests where the hardware is missing; they are collected, never deleted."""
+    """Skip hardware-bound tests where the hardware is missing (they are collected, never deleted); order the files
+    as the workers should take them."""
     n_gpus = _cuda_device_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_multi = pytest.mark.skip(reason=f"needs 2+ CUDA devices, found {n_gpus}")
@@ -48,21 +51,26 @@ START_FIRST = (
     "tests/scenarios/test_install.py",
     "tests/scenarios/test_script.py",
     "tests/scenarios/test_adaptive.py",
+    "tests/scenarios/test_user_configs.py",
 )
 """Files handed out before the others, in this order. The first two spend most of their wall time off the session's
-device lock (the Slurm test waits on its cluster's daemons, which take locks of their own; the wheel test builds a
-wheel and a venv before its one trial); the other two are one long sweep each (11 runs; a search with a resume),
-which in xdist's order came last and ended the suite alone on one core."""
+device lock (the Slurm test waits on its cluster's daemons, whose sweeps lock in a folder of their own; the wheel test
+builds a wheel and a venv before its one trial); the others are long runs of one or a few tests (an 11-run sweep, a
+search with a resume, seven launches that take no lock), which in xdist's order came last and ended the suite alone
+on one core."""
 
 
 def _in_the_order_files_should_start(items: list[pytest.Item]) -> list[pytest.Item]:
     """:data:`START_FIRST`, then pytest-xdist's own order (the files with the most tests first), each file's tests in
     their own order.
 
-    Under ``pytest -n 3 --dist loadfile --no-loadscope-reorder`` (tox) the workers take whole files in this order.
-    In xdist's order those files, of one to six tests, came last, and the suite ended with one of them running alone
+    Under ``pytest -n 3 --dist loadfile --no-loadscope-reorder`` (tox) xdist queues whole files in this order; it
+    gives each worker two at the start, so the first six go out at once, two to a worker. In xdist's own order the
+    files of :data:`START_FIRST`, of one to eight tests, came last, and the suite ended with one of them running alone
     while a core idled (the Slurm test for about 40 s). Every file with slow tests first was slower: their trials
     waited on each other's device lock (docs/development.md)."""
+    missing = [path for path in START_FIRST if not (Path(__file__).parent.parent / path).is_file()]
+    assert not missing, f"tests/conftest.py START_FIRST names files that do not exist: {missing}"
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)

@@ -66,6 +66,8 @@ from hfscale.measure.memory import cpu_peak_rss_bytes  # noqa: E402
 
 record = {
     "rank": args.process_index,
+    "max_steps": STEPS,
+    "warmup_steps": WARMUP,
     "dist_world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
     "vmhwm_after_gib": cpu_peak_rss_bytes() / GIB,
     "memory": memory.summary.to_dict(),
