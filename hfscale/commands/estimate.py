@@ -19,6 +19,7 @@ from hfscale.estimate.fit import default_reserve_bytes, predicted_to_fit
 from hfscale.estimate.peak import estimate_memory
 from hfscale.records.estimate import MemoryEstimate
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, Strategy, StrategyError
+from hfscale.workload.model import ModelConfigError
 from hfscale.workload.spec import DataSpec, ModelSpec, TrialSpec
 
 
@@ -204,15 +205,6 @@ def format_table(rows: Sequence[tuple[TrialSpec, MemoryEstimate, bool | None]]) 
     return "\n".join([fmt(headers), fmt("-" * w for w in widths), *(fmt(r) for r in lines)])
 
 
-def _config_error() -> type[Exception]:
-    """huggingface_hub's strict-config validation error (a plain ``Exception``), RuntimeError where it is missing."""
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:
-        return RuntimeError
-    return StrictDataclassError
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``hfscale estimate``; 0 on success, 2 on a bad argument, recipe or model config (said on stderr)."""
     args = _build_parser().parse_args(argv)
@@ -223,10 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             est = estimate_memory(spec)
             rows.append((spec, est, None if budget is None else predicted_to_fit(est, budget)))
+    except ModelConfigError as exc:  # transformers refusing a value's type
+        print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
+        return 2
     except (ValueError, StrategyError, FileNotFoundError, ImportError) as exc:
         print(f"hfscale estimate: {exc}", file=sys.stderr)
         return 2
-    except (RuntimeError, TypeError, ArithmeticError, _config_error()) as exc:  # transformers/torch refusing a value
+    except (RuntimeError, TypeError, ArithmeticError) as exc:  # transformers/torch refusing a value
         print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
         return 2
     if args.json:

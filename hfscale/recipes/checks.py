@@ -77,6 +77,8 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
         check_factories(model, data)
         if model.factory is not None:
             return
+    if not model.pretrained:
+        check_config_sizes(model)  # before the config is built: its own checks would name no key, or raise
     try:
         from hfscale.workload.model import build_config, check_vocabulary
     except ImportError:
@@ -202,6 +204,41 @@ def check_factories(model: ModelSpec, data: DataSpec) -> None:
 
 # Keys transformers 5 still takes and folds into ``rope_parameters`` (configs on the Hub carry them).
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
+
+
+SIZE_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+        "n_positions",
+        "d_model",
+        "d_ff",
+        "num_layers",
+        "num_heads",
+    }
+)
+"""``model.config`` keys that size the model (transformers' names and GPT-2's and T5's): a count of something."""
+
+
+def check_config_sizes(model: ModelSpec) -> None:
+    """Refuse a size of the model that is not a positive integer (``hidden_size: 0`` builds a config, then fails
+    in the estimate and inside the trial with a ``ZeroDivisionError``). ``null`` stays: some sizes default to it.
+
+    Raises:
+        Invalid: at ``model.config.KEY``.
+    """
+    for key, value in model.config.items():
+        if key in SIZE_KEYS and value is not None and (type(value) is not int or value <= 0):
+            raise Invalid(f"model.config.{key}", f"expected a positive integer, got {value!r}")
 
 
 def check_config_keys(model: ModelSpec) -> None:
@@ -423,6 +460,7 @@ __all__ = [
     "REFUSED_TRAINING_ARGS",
     "check_batch_fits_data",
     "check_config_keys",
+    "check_config_sizes",
     "check_data",
     "check_folder_name",
     "check_measure",

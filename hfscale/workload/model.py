@@ -16,6 +16,20 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 
+class ModelConfigError(ValueError):
+    """transformers refused a value of the model's config (one of the wrong type for its typed field)."""
+
+
+def _typed_config_errors() -> tuple[type[Exception], ...]:
+    """What transformers' typed configs raise for a value of the wrong type (huggingface_hub's strict dataclasses,
+    which subclass neither TypeError nor ValueError); none where that huggingface_hub has no such check."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def build_config(model: ModelSpec, data: DataSpec, *, attn_implementation: str | None = None) -> PretrainedConfig:
     """The config a :class:`ModelSpec` describes, with ``num_labels`` from the data for classification.
 
@@ -24,17 +38,21 @@ def build_config(model: ModelSpec, data: DataSpec, *, attn_implementation: str |
     ``from_config``/``from_pretrained`` resolve and the estimate reads; None keeps transformers' default.
 
     Raises:
-        ValueError: when transformers does not know the model type or refuses the overrides.
+        ValueError: when transformers does not know the model type or refuses the overrides
+            (:class:`ModelConfigError` for a value of the wrong type).
     """
     from transformers import AutoConfig
 
     overrides = dict(model.config)
     if model.task == "classification":
         overrides.setdefault("num_labels", data.num_labels)
-    if model.pretrained:
-        config = AutoConfig.from_pretrained(model.pretrained, **overrides)
-    else:
-        config = AutoConfig.for_model(model.type, **overrides)
+    try:
+        if model.pretrained:
+            config = AutoConfig.from_pretrained(model.pretrained, **overrides)
+        else:
+            config = AutoConfig.for_model(model.type, **overrides)
+    except (TypeError, *_typed_config_errors()) as exc:  # a value of the wrong type for the config's typed field
+        raise ModelConfigError(" ".join(str(exc).split())) from exc
     if model.task == "classification" and getattr(config, "pad_token_id", None) is None:
         # Decoder classifiers (GPT-2, Llama) pool at the last non-pad token and refuse batches without a pad id.
         # Dummy data is never padded, so any id outside [token_low, token_high) is safe.
@@ -99,4 +117,11 @@ def build_meta_model(model: ModelSpec, data: DataSpec, *, attn_implementation: s
         return auto_model_class(model).from_config(config)
 
 
-__all__ = ["auto_model_class", "build_config", "build_meta_model", "build_model", "check_vocabulary"]
+__all__ = [
+    "ModelConfigError",
+    "auto_model_class",
+    "build_config",
+    "build_meta_model",
+    "build_model",
+    "check_vocabulary",
+]

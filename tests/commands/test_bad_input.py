@@ -190,6 +190,13 @@ TINY = {"device": "cpu", "model": {"config": {"hidden_size": 32, "num_hidden_lay
         ({"trials": [{"name": ""}]}, r"trials\[0\]\.name", "expected a name, got an empty one"),
         ({"data": {"seq_len": 4096}}, "data.seq_len", r"expected at most 512, the model's positions"),
         ({"data": {"seq_len": 0}}, "data.seq_len", "expected a positive integer, got 0"),
+        ({"model": {"config": {"hidden_size": 0, "num_hidden_layers": 1, "num_attention_heads": 2}}},
+         r"model\.config\.hidden_size", "expected a positive integer, got 0"),
+        ({"model": {"type": "gpt2", "config": {"n_embd": 32, "n_layer": 1.5, "n_head": 2}}},
+         r"model\.config\.n_layer", "expected a positive integer, got 1.5"),
+        # A value of the wrong type that transformers' typed config refuses: named, not a traceback.
+        ({"model": {"type": "gpt2", "config": {"n_embd": 32, "n_layer": 1, "n_head": 2, "resid_pdrop": "x"}}},
+         r"model\.config", "Validation error for field 'resid_pdrop'"),
         ({"data": {"token_low": 500, "token_high": 100}}, "data.token_low", r"expected 0 <= data.token_low <"),
         ({"measure": {"warmup_steps": 8, "max_steps": 8}}, r"measure\.warmup_steps",
          r"expected fewer than max_steps \(8\)"),
