@@ -151,14 +151,16 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
 
 
 def _check_config_keys(model: ModelSpec) -> None:
-    """Refuse a ``--config`` key the model's config class does not have, as a recipe's is refused (transformers
-    would keep it as an unused attribute, and the estimate would silently be of the default model)."""
+    """Refuse a ``--config`` key the model's config class does not have, or a size that is not a positive integer,
+    as a recipe's are refused (transformers would keep an unknown key as an unused attribute, and the estimate
+    would silently be of the default model)."""
     from hfscale.core.validation import Invalid
-    from hfscale.recipes.checks import check_config_keys
+    from hfscale.recipes.checks import check_config_keys, check_config_sizes
 
     if model.pretrained or model.factory is not None:
         return  # the config is the hub's or the factory's own: its keys are not the model type's (as a recipe)
     try:
+        check_config_sizes(model)
         check_config_keys(model)
     except Invalid as exc:
         raise ValueError(f"--config {exc.path.removeprefix('model.config.')}: {exc.message}") from None
@@ -215,14 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             est = estimate_memory(spec)
             rows.append((spec, est, None if budget is None else predicted_to_fit(est, budget)))
-    except ModelConfigError as exc:  # transformers refusing a value's type
+    except (ModelConfigError, RuntimeError, TypeError, ArithmeticError) as exc:  # transformers/torch refusing a value
         print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
         return 2
     except (ValueError, StrategyError, FileNotFoundError, ImportError) as exc:
         print(f"hfscale estimate: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, TypeError, ArithmeticError) as exc:  # transformers/torch refusing a value
-        print(f"hfscale estimate: cannot build the model from its config (check --config): {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([{"trial": s.name, "fits": f, "estimate": e.to_dict()} for s, e, f in rows], indent=2))

@@ -146,6 +146,8 @@ def test_estimate_names_a_config_key_the_model_lacks_and_a_value_it_cannot_build
         in (capsys.readouterr().err)
     )
     assert estimate(["bert", "--config", "hidden_size=0"]) == 2
+    assert "--config hidden_size: expected a positive integer, got 0" in capsys.readouterr().err
+    assert estimate(["gpt2", "--config", "resid_pdrop=x"]) == 2  # a value of the wrong type, refused by transformers
     assert "cannot build the model from its config (check --config)" in capsys.readouterr().err
 
 

@@ -50,8 +50,9 @@ def test_cli_reports_errors(capsys):
         (["bert", "--num-gpus", "0"], "argument --num-gpus: expected a positive integer"),
         (["bert", "--seq-len", "-1"], "argument --seq-len: expected a positive integer"),
         (["bert", "--config", "hidden_size"], "argument --config: --config expects key=value"),
-        (["bert", "--config", "hidden_size=-5"], "check --config"),
-        (["bert", "--config", "hidden_size=abc"], "check --config"),
+        (["bert", "--config", "hidden_size=-5"], "--config hidden_size: expected a positive integer, got -5"),
+        (["bert", "--config", "hidden_size=abc"], "--config hidden_size: expected a positive integer, got 'abc'"),
+        (["bert", "--config", "hidden_dropout_prob=abc"], "check --config"),
     ],
 )
 def test_cli_rejects_bad_arguments_without_a_traceback(argv, expected, capsys):

@@ -9,27 +9,23 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
 
 import psutil
 
 
-@dataclass
 class CpuShare:
-    """The share of a core a process used from :meth:`start` to :meth:`stop`."""
+    """The share of a core a process has used since this was made."""
 
-    pid: int
-    share: float = 0.0
-    _before: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._cpu, self._wall = self._now()
 
-    def start(self) -> CpuShare:
-        self._before = (sum(psutil.Process(self.pid).cpu_times()[:2]), time.monotonic())
-        return self
+    def _now(self) -> tuple[float, float]:
+        return sum(psutil.Process(self.pid).cpu_times()[:2]), time.monotonic()
 
-    def stop(self) -> float:
-        cpu, wall = sum(psutil.Process(self.pid).cpu_times()[:2]), time.monotonic()
-        self.share = (cpu - self._before[0]) / max(wall - self._before[1], 1e-9)
-        return self.share
+    def so_far(self) -> float:
+        cpu, wall = self._now()
+        return (cpu - self._cpu) / max(wall - self._wall, 1e-9)
 
 
 def assert_named_or_outranked(busy_processes: list[str], pid: int, share: float) -> None:

@@ -26,10 +26,10 @@ def test_a_cpu_hog_outside_the_trial_is_seen_and_named():
     hog = subprocess.Popen(HOG)
     try:
         sampler = ActivitySampler(interval_s=0.25).start()
-        share = CpuShare(hog.pid).start()
+        share = CpuShare(hog.pid)
         time.sleep(1.6)
         activity = sampler.stop()
-        hog_share = share.stop()
+        hog_share = share.so_far()
     finally:
         hog.kill()
         hog.wait()

@@ -518,9 +518,9 @@ def test_a_real_cpu_hog_during_a_sweep_flags_its_rows_and_no_speed_claim_is_made
 
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        share = CpuShare(hog.pid).start()
+        share = CpuShare(hog.pid)
         run = _sweep_again(tmp_path, "fp32", "bf16", name="busy")
-        hog_share = share.stop()
+        hog_share = share.so_far()
     finally:
         hog.kill()
         hog.wait()
