@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
 import inspect
 import math
+import operator
 import types
 import typing
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
-from hfscale.core.validation import Invalid, float_text, join_path, show_value
+from hfscale.core.validation import Invalid, convert, float_text, join_path, show_value
 from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
 
 # TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
@@ -415,7 +418,11 @@ def check_measure(measure: MeasureSpec, path: str) -> None:
 def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
     """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
     ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
-    float."""
+    float.
+
+    A value of a field whose type is a plain one (a number, a flag, a string, one of an enum's names) is checked
+    against it here: ``TrainingArguments`` itself takes ``learning_rate: abc``, and the trial failed only when the
+    optimizer was built, a crashed row instead of this message."""
     for key, value in training_args.items():
         if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
             raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
@@ -435,24 +442,36 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
-        number = float_text(value)
-        out[key] = number if number is not None and known[key] else value
+        field_type = known[key]  # null passes: the Trainer reads some float fields' None as "off" (max_grad_norm)
+        checked = value if field_type is None or value is None else convert(field_type, value, join_path(path, key))
+        out[key] = checked if float_text(value) is not None else value
     return out
 
 
-def _training_args_fields() -> dict[str, bool] | None:
-    """``TrainingArguments``' field names (-> whether the field takes a float), or None when transformers is not
-    installed (the trial then checks them)."""
+def _training_args_fields() -> dict[str, Any] | None:
+    """``TrainingArguments``' field names, each with the type its value is checked against (None: not checked here,
+    as a mapping or a list is), or None when transformers is not installed (the trial then checks them)."""
     try:
         from transformers import TrainingArguments
     except ImportError:
         return None
-    out = {}
-    for f in dataclasses.fields(TrainingArguments):
-        if f.init:
-            tp = f.type
-            out[f.name] = tp is float or (get_origin(tp) in (typing.Union, types.UnionType) and float in get_args(tp))
-    return out
+    return {f.name: _plain_type(f.type) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_type(tp: Any) -> Any:
+    """``tp`` where each member is a plain type (an enum, which ``TrainingArguments`` takes by value, as the
+    ``Literal`` of its values; ``SchedulerType | str`` is one of the scheduler names), else None."""
+    members = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
+    if not all(m in _PLAIN or m in enums for m in members):
+        return None
+    if enums:
+        values = tuple(e.value for m in enums for e in m)
+        members = (Literal[values], *(m for m in members if m is type(None)))  # the str beside the enum is its names
+    return functools.reduce(operator.or_, members) if len(members) > 1 else members[0]
 
 
 __all__ = [

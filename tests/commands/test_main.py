@@ -47,6 +47,20 @@ def test_recipes_lists_name_device_trials_and_description(empty_cwd, capsys):
     assert capsys.readouterr().out.splitlines() == lines
 
 
+def test_listing_the_recipes_builds_no_model(empty_cwd):
+    """The listing reads the shipped files and builds no model config: that imported transformers (and peft, for
+    llama_1b's LoRA trials), 6-7 s on 2 cores, and printed transformers' warnings about configs nobody asked for."""
+    probe = (
+        "import sys\n"
+        "from hfscale.commands.main import main\n"
+        "assert main(['recipes']) == 0\n"
+        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.splitlines()[-1] == "LOADED []", out.stderr[-2000:]
+    assert out.stderr == ""
+
+
 def test_recipes_show_prints_the_file_as_shipped(empty_cwd, capsys):
     assert main(["recipes", "show", "cpu_small"]) == 0
     assert capsys.readouterr().out == shipped_recipe("cpu_small").read_text(encoding="utf-8")

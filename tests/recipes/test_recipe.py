@@ -324,6 +324,15 @@ def test_a_seed_that_is_not_an_integer_is_refused_at_load(tmp_path, seed):
         load_recipe(write(tmp_path, with_(training_args={"seed": seed})))
 
 
+def test_training_args_of_the_right_type_load_as_written(tmp_path):
+    """The type check of training_args takes what TrainingArguments takes: YAML's 5e-5 (a string) as a number, an
+    integer where a number goes, a scheduler by name, null for clipping off (the Trainer reads it so), a list."""
+    given = {"learning_rate": "5e-5", "logging_steps": 10, "lr_scheduler_type": "cosine", "max_grad_norm": None,
+             "report_to": ["none"], "disable_tqdm": True, "run_name": "x"}  # fmt: skip
+    recipe = load_recipe(write(tmp_path, with_(training_args=given)))
+    assert recipe.training_args == given | {"learning_rate": 5e-5}
+
+
 def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_path):
     data = with_(
         sweep={"batch": "both", "max_batch_limit": 16},

@@ -10,6 +10,7 @@ from helpers.paths import REPO
 
 from hfscale.recipes.catalog import RECIPES_DIR, recipe_names, resolve_recipe, shipped_recipe
 from hfscale.recipes.recipe import load_recipe, shipped_recipes
+from hfscale.workload.model import build_config
 
 CHECKOUT_RECIPES = REPO / "recipes"
 RECIPES = sorted(CHECKOUT_RECIPES.glob("*.yaml"))
@@ -51,6 +52,12 @@ def test_recipe_loads_and_validates(path, tmp_path, monkeypatch):
         # The launch may change unpinned process counts; every trial must stay valid with 1, 2 and 8 processes.
     for n in (1, 2, 8):
         recipe.resolve(num_processes=n)
+    # Its special tokens are within its vocabulary (transformers warns about the config wherever it is built, once
+    # per process, where one is not: every trial's log said so).
+    config = build_config(recipe.model, recipe.data)
+    vocab = config.get_text_config(decoder=True).vocab_size
+    special = {k: v for k, v in config.to_dict().items() if k.endswith("_token_id") and isinstance(v, int)}
+    assert all(0 <= v < vocab for v in special.values()), (special, vocab)
 
 
 def test_bert_large_reproduces_the_reference_setup():
