@@ -139,6 +139,7 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
             _check_config_keys(spec.model)
         return changed
     model = ModelSpec(type=target, task=args.task or "classification", config=overrides)
+    _check_model_type(target)
     _check_config_keys(model)
     data = DataSpec(seq_len=args.seq_len or DataSpec().seq_len)
     strategies = default_strategies(
@@ -148,6 +149,26 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
         device=args.device or "cuda",
     )
     return [TrialSpec(name=s.name, strategy=s, model=model, data=data) for s in strategies]
+
+
+def _check_model_type(target: str) -> None:
+    """Refuse a TARGET that is neither a recipe nor a model type transformers knows, with the closest of each
+    (transformers' own message lists its 400-odd types, 12 kB, and never says that a recipe was looked for)."""
+    import difflib
+
+    from transformers import CONFIG_MAPPING
+
+    from hfscale.recipes.catalog import recipe_names
+
+    types = sorted(CONFIG_MAPPING.keys())
+    if target in types:
+        return
+    close = difflib.get_close_matches(target, [*recipe_names(), *types], n=3)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(
+        f"{target!r} is neither a recipe (a .yaml file, or a shipped recipe's name: 'hfscale recipes' lists them) "
+        f"nor a transformers model type (bert, gpt2, llama, ...){hint}"
+    )
 
 
 def _check_config_keys(model: ModelSpec) -> None:

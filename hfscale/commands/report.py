@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from hfscale.core.files import os_error_text
 from hfscale.core.units import parse_memory_size
 from hfscale.report.analysis import ReportError, summarize_run
-from hfscale.report.compare import regressions, workload_difference, write_comparison_of
+from hfscale.report.compare import FAILED_IN_B, regressions, workload_difference, write_comparison_of
 from hfscale.report.write import write_report
 
 
@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="SIZE",
         help="per-device memory the recommended strategy must fit in, e.g. 16GiB, 80GB, 512MiB "
-        "(default: the GPU memory environment.json records, else none)",
+        "(default: the budget the sweep recorded, its recipe's sweep.memory_budget_gib or --memory-budget; else "
+        "the GPU memory environment.json records; else none)",
     )
     parser.add_argument(
         "--price-per-hour",
@@ -98,12 +99,12 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hfscale compare",
         description="The same trials (matched by name) of two run folders side by side, with B/A ratios, and for "
-        "each trial in both a significance test of the change in speed ('B is 7.0%% ± 2.1%% slower' or 'no "
-        "significant change': both runs' run-to-run noise pooled, Šidák-adjusted over the trials, 2%% noise "
+        "each trial in both a significance test of the change in speed ('B is 7.0% ± 2.1% slower' or 'no "
+        "significant change': both runs' run-to-run noise pooled, Šidák-adjusted over the trials, 2% noise "
         "threshold).",
         epilog="Exit codes: 0 written (and no regression beyond --fail-on-regression); 1 --fail-on-regression PCT "
-        "was given and a trial is significantly slower in B by more than PCT percent (the files are still "
-        "written); 2 bad input.",
+        "was given and a trial is significantly slower in B by more than PCT percent, or a trial that finished ok "
+        "in A did not in B (the files are still written); 2 bad input.",
     )
     parser.add_argument("run_a", metavar="RUN_A", help="a folder written by 'hfscale sweep'")
     parser.add_argument("run_b", metavar="RUN_B", help="another one (other machine, other library versions)")
@@ -114,8 +115,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="PCT",
         help="exit 1 when any trial is significantly slower in B (time per sample, 95%% interval beyond the 2%% "
-        "noise threshold) by more than PCT percent; changes that cannot be tested (fewer than two runs a side, or "
-        "a trial that may be unstable) never fail",
+        "noise threshold) by more than PCT percent, or finished ok in A and not in B (a run crashed, ran out of "
+        "memory or timed out); changes that cannot be tested (fewer than two runs a side, or a trial that may be "
+        "unstable) never fail",
     )
     parser.add_argument(
         "--allow-different-workloads",
@@ -150,13 +152,13 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     for _, test in tests.iterrows():
         print(f"{test['trial']}: {test['change_text']}")
     if args.fail_on_regression is not None:
-        slow = regressions(tests, args.fail_on_regression)
-        if slow:
-            print(
-                f"hfscale compare: regression: {', '.join(slow)} significantly slower in B by more than "
-                f"{args.fail_on_regression:g}%",
-                file=sys.stderr,
-            )
+        failing = regressions(tests, args.fail_on_regression)
+        if failing:
+            failed = [name for name in failing if tests.loc[name, "change"] == FAILED_IN_B]
+            slower = [name for name in failing if name not in failed]
+            said = [f"{', '.join(slower)} significantly slower in B by more than {args.fail_on_regression:g}%"]
+            said = (said if slower else []) + ([f"{', '.join(failed)} finished ok in A, not in B"] if failed else [])
+            print(f"hfscale compare: regression: {'; '.join(said)}", file=sys.stderr)
             return 1
     return 0
 

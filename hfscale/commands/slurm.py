@@ -9,8 +9,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hfscale.commands.sweep import driver_port
+from hfscale.commands.sweep import build_parser as sweep_parser
+from hfscale.commands.sweep import driver_port, settings_from_args
 from hfscale.core.files import os_error_text
+from hfscale.launch.plan import SettingError, SweepSettings
+from hfscale.recipes.recipe import load_recipe
+from hfscale.recipes.schema import RecipeError
 from hfscale.sweep.slurm import SlurmJob
 
 
@@ -48,6 +52,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def what_the_drivers_refuse(job: SlurmJob) -> str | None:
+    """What every node's driver would refuse at its start, found here before the job waits in the queue: an option
+    after ``--`` that ``hfscale sweep`` does not take (or a value it refuses), a recipe that cannot be read, and a
+    trial the job's counts do not fit (``num_processes`` not a multiple of the nodes, a batch the data cannot fill);
+    None when they would all start."""
+    argv = job.driver_argv("runs/check")[3:]  # less `python -m hfscale.sweep`
+    argv = argv[: argv.index("--")] if "--" in argv else argv  # a script's own arguments are the script's
+    parser = sweep_parser()
+    parser.exit_on_error = False
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        return f"the options after --: {exc}"
+    if unknown:
+        return f"the options after -- are not hfscale sweep's: {shlex.join(unknown)} (hfscale sweep --help lists them)"
+    try:
+        settings_from_args(args)
+    except SettingError as exc:
+        flag = SweepSettings.__dataclass_fields__[exc.setting].metadata["flag"]
+        return f"the options after --: {flag} {exc.problem}"
+    if job.resume:
+        return None if Path(job.recipe).is_dir() else f"{job.recipe}: not a run folder here (--resume takes one)"
+    try:
+        load_recipe(job.recipe).resolve(num_processes=job.num_processes, num_machines=job.nodes)
+    except (RecipeError, OSError) as exc:
+        return f"{exc} (checked here before the job waits in the queue; every node reads the same recipe)"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -74,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         print(f"hfscale slurm: error: {exc}", file=sys.stderr)
+        return 2
+    refused = what_the_drivers_refuse(job)
+    if refused is not None:
+        print(f"hfscale slurm: error: {refused}", file=sys.stderr)
         return 2
     script = job.sbatch_script()
     if args.out is None:

@@ -162,8 +162,8 @@ class SweepSettings:
         metadata=_option(
             "--memory-budget",
             "memory per device, e.g. 80GiB, 24GB, 512MiB: what --skip-predicted-oom checks the estimate against, "
-            "where --find-max-batch starts, and what the report's recommendation must fit (default: the GPU's memory "
-            "as environment.json records it; none on CPU)",
+            "where --find-max-batch starts, and what the report's recommendation must fit (default: the recipe's "
+            "sweep.memory_budget_gib, else the GPU's memory as environment.json records it; none on CPU)",
             parse=_memory_size,
             metavar="SIZE",
             least=1,

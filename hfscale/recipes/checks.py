@@ -8,56 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
-import functools
 import inspect
 import math
-import operator
-import types
-import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
-from hfscale.core.validation import Invalid, convert, float_text, join_path, show_value
+from hfscale.core.validation import Invalid, join_path, show_value
 from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
-
-# TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
-# them (they would be silently overridden), and the message says where they belong instead.
-OWNED_TRAINING_ARGS: dict[str, str] = {
-    "per_device_train_batch_size": "the strategy's per_device_batch_size",
-    "gradient_accumulation_steps": "the strategy's gradient_accumulation_steps",
-    "fp16": "the strategy's precision (fp32, fp16 or bf16)",
-    "bf16": "the strategy's precision (fp32, fp16 or bf16)",
-    "half_precision_backend": "the strategy's precision",
-    "optim": "the strategy's optimizer",
-    "gradient_checkpointing": "the strategy's gradient_checkpointing",
-    "gradient_checkpointing_kwargs": "the strategy's gradient_checkpointing",
-    "activation_checkpointing": "the strategy's gradient_checkpointing",
-    "activation_checkpointing_kwargs": "the strategy's gradient_checkpointing",
-    "deepspeed": "the strategy's deepspeed section",
-    "fsdp": "the strategy's fsdp section",
-    "fsdp_config": "the strategy's fsdp section",
-    "use_cpu": "the recipe's device",
-    "no_cuda": "the recipe's device",
-    "local_rank": "the launcher",
-    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
-    "max_steps": "the recipe's measure.max_steps",
-    "num_train_epochs": "the recipe's measure.num_epochs",
-    "output_dir": "the sweep (each trial writes into its own folder)",
-    "torch_compile": "the strategy's torch_compile section",
-    "torch_compile_backend": "the strategy's torch_compile.backend",
-    "torch_compile_mode": "the strategy's torch_compile.mode",
-    "tf32": "the strategy's tf32",
-    "use_liger_kernel": "the strategy's use_liger_kernel",
-}
-
-# TrainingArguments keywords a recipe may not turn on, and why.
-REFUSED_TRAINING_ARGS: dict[str, str] = {
-    "auto_find_batch_size": (
-        "refused: after an out-of-memory error the Trainer halves the batch and trains again, so the row would be "
-        "measured at a batch other than the strategy's (and the callbacks restart, losing the OOM); search for the "
-        "largest batch that fits with `hfscale sweep --find-max-batch` instead"
-    ),
-}
 
 
 def check_folder_name(name: str, path: str) -> None:
@@ -117,11 +73,40 @@ def check_model(model: ModelSpec, data: DataSpec) -> None:
     except ValueError as exc:
         raise Invalid("data.token_high", str(exc)) from exc
     check_positions(config, data)
+    _check_labels(model, config, data)
+    if not model.pretrained:
+        _check_model_builds(model, data)
+
+
+def _check_labels(model: ModelSpec, config: Any, data: DataSpec) -> None:
+    """Refuse labels the classifier has no class for: the data's are drawn from [0, data.num_labels), and a
+    ``model.config.num_labels`` that differs wins in the config (an IndexError in the first step's loss)."""
+    classes = getattr(config, "num_labels", None)
+    if model.task == "classification" and isinstance(classes, int) and data.num_labels > classes:
+        raise Invalid(
+            "data.num_labels",
+            f"expected at most {classes}, the model's classes (model.config.num_labels): labels are drawn from "
+            f"[0, data.num_labels), got {data.num_labels}",
+        )
+
+
+def _check_model_builds(model: ModelSpec, data: DataSpec) -> None:
+    """Build the model on the meta device (no memory, a few hundredths of a second): a config transformers takes
+    may still describe a model it cannot build (a BERT of hidden_size 1024 with its default 12 heads), and every
+    trial would crash on it; the estimate, which builds the same model, only said it had none."""
+    from hfscale.workload.model import build_meta_model
+
+    try:
+        build_meta_model(model, data)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+        # A KeyError's text is only the name: a value transformers looks up (hidden_act: bogus) and does not have.
+        detail = f"it has no {exc} (an activation or other name it does not know)" if isinstance(exc, KeyError) else exc
+        raise Invalid("model.config", f"transformers cannot build the model from it: {detail}") from exc
 
 
 def check_data(data: DataSpec) -> None:
     """Refuse dummy data that cannot be drawn (no sequence, no sample, an empty range of token ids) at its key."""
-    for key in ("num_samples", "seq_len"):
+    for key in ("num_samples", "seq_len", "num_labels"):
         if getattr(data, key) < 1:
             raise Invalid(f"data.{key}", f"expected a positive integer, got {getattr(data, key)}")
     if data.factory is None and not 0 <= data.token_low < data.token_high:
@@ -154,14 +139,40 @@ def check_positions(config: Any, data: DataSpec) -> None:
 
 
 def check_measured_steps(measure: MeasureSpec, path: str) -> None:
-    """A trial's warm-up must leave a step to measure: with ``warmup_steps`` >= ``max_steps`` no throughput figure
-    would come out (the row would say none was measured, after the whole run)."""
+    """A trial's warm-up must leave steps to measure: the throughput figures need two steps after the warm-up
+    (with fewer, none would come out: the row would say none was measured, after the whole run)."""
     warmup = measure.warmup_steps
-    if isinstance(warmup, int) and measure.max_steps is not None and warmup >= measure.max_steps:
+    if isinstance(warmup, int) and measure.max_steps is not None and measure.max_steps < warmup + 2:
         raise Invalid(
             join_path(path, "warmup_steps"),
-            f"expected fewer than max_steps ({measure.max_steps}), or 'auto': the steps after the warm-up are the "
-            f"ones measured, got {warmup}",
+            f"expected at most max_steps - 2 ({measure.max_steps - 2}), or 'auto': the steps after the warm-up are "
+            f"the ones measured, and a figure needs two, got {warmup}",
+        )
+
+
+def check_epoch_steps(strategy: Any, data: DataSpec, measure: MeasureSpec, path: str) -> None:
+    """:func:`check_measured_steps` for a run of ``num_epochs`` epochs, whose optimizer steps follow from the data
+    and the batch: at most ``ceil(epochs x ceil(ceil(samples / replicas) / batch / accumulation))`` (the Trainer's
+    count, rounded up at each division, so that no run that has the steps is refused)."""
+    warmup = measure.warmup_steps
+    if measure.max_steps is not None or not isinstance(warmup, int) or data.factory is not None:
+        return  # capped by max_steps (checked above), a detected warm-up, or a data set only the factory knows
+    samples = data.num_samples
+    if data.packing == "pack":
+        from hfscale.workload.lengths import packed_rows
+
+        samples = packed_rows(data)
+    per_step = strategy.per_device_batch_size * strategy.gradient_accumulation_steps
+    replicas = strategy.global_batch_size // per_step
+    batches = math.ceil(math.ceil(samples / replicas) / strategy.per_device_batch_size)  # one replica's
+    per_epoch = math.ceil(batches / strategy.gradient_accumulation_steps)
+    steps = math.ceil(measure.num_epochs * per_epoch)
+    if steps < warmup + 2:
+        raise Invalid(
+            join_path(path, "warmup_steps"),
+            f"{measure.num_epochs:g} epoch(s) of {samples} samples at {per_step * replicas} a step run at most "
+            f"{steps} optimizer step(s): a warm-up of {warmup} leaves fewer than the two the throughput figures "
+            "need; train more epochs or samples, or lower warmup_steps",
         )
 
 
@@ -193,16 +204,29 @@ def check_lengths(model: ModelSpec, data: DataSpec) -> None:
 
 
 def check_factories(model: ModelSpec, data: DataSpec) -> None:
-    """Refuse a ``model.factory`` or ``data.factory`` that does not import or names no function, now."""
+    """Refuse a ``model.factory`` or ``data.factory`` that does not import or names no function, and keyword
+    arguments its function does not take (``model.config`` for a model factory, ``data.factory_kwargs``), now:
+    the trial raised a TypeError on them."""
     from hfscale.workload.factory import load_callable
 
-    for key, reference in (("model.factory", model.factory), ("data.factory", data.factory)):
+    for key, reference, kwargs, kwargs_key in (
+        ("model.factory", model.factory, model.config, "model.config"),
+        ("data.factory", data.factory, data.factory_kwargs, "data.factory_kwargs"),
+    ):
         if reference is None:
             continue
         try:
-            load_callable(reference)
+            function = load_callable(reference)
         except ValueError as exc:
             raise Invalid(key, str(exc)) from exc
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # a builtin without one: the trial checks the call
+            continue
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            raise Invalid(kwargs_key, f"{reference} does not take these keyword arguments: {exc}") from exc
 
 
 # Keys transformers 5 still takes and folds into ``rope_parameters`` (configs on the Hub carry them).
@@ -415,76 +439,15 @@ def check_measure(measure: MeasureSpec, path: str) -> None:
         raise Invalid(join_path(path, "max_time_s"), f"expected a positive number of seconds, got {measure.max_time_s}")
 
 
-def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
-    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
-    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
-    float.
-
-    A value of a field whose type is a plain one (a number, a flag, a string, one of an enum's names) is checked
-    against it here: ``TrainingArguments`` itself takes ``learning_rate: abc``, and the trial failed only when the
-    optimizer was built, a crashed row instead of this message."""
-    for key, value in training_args.items():
-        if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
-        if key in REFUSED_TRAINING_ARGS and value:
-            raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
-        if key in OWNED_TRAINING_ARGS:
-            raise Invalid(
-                join_path(path, key),
-                f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
-            )
-    known = _training_args_fields()
-    if known is None:
-        return dict(training_args)
-    out = {}
-    for key, value in training_args.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
-        field_type = known[key]  # null passes: the Trainer reads some float fields' None as "off" (max_grad_norm)
-        checked = value if field_type is None or value is None else convert(field_type, value, join_path(path, key))
-        out[key] = checked if float_text(value) is not None else value
-    return out
-
-
-def _training_args_fields() -> dict[str, Any] | None:
-    """``TrainingArguments``' field names, each with the type its value is checked against (None: not checked here,
-    as a mapping or a list is), or None when transformers is not installed (the trial then checks them)."""
-    try:
-        from transformers import TrainingArguments
-    except ImportError:
-        return None
-    return {f.name: _plain_type(f.type) for f in dataclasses.fields(TrainingArguments) if f.init}
-
-
-_PLAIN = (int, float, bool, str, type(None))
-
-
-def _plain_type(tp: Any) -> Any:
-    """``tp`` where each member is a plain type (an enum, which ``TrainingArguments`` takes by value, as the
-    ``Literal`` of its values; ``SchedulerType | str`` is one of the scheduler names), else None."""
-    members = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
-    if not all(m in _PLAIN or m in enums for m in members):
-        return None
-    if enums:
-        values = tuple(e.value for m in enums for e in m)
-        members = (Literal[values], *(m for m in members if m is type(None)))  # the str beside the enum is its names
-    return functools.reduce(operator.or_, members) if len(members) > 1 else members[0]
-
-
 __all__ = [
-    "OWNED_TRAINING_ARGS",
-    "REFUSED_TRAINING_ARGS",
     "check_batch_fits_data",
     "check_config_keys",
     "check_config_sizes",
     "check_data",
+    "check_epoch_steps",
     "check_folder_name",
     "check_measure",
     "check_measured_steps",
     "check_model",
     "check_positions",
-    "check_training_args",
 ]

@@ -226,7 +226,8 @@ def expand_matrix(matrix: Any) -> list[TrialEntry]:
     """One entry per combination of the axes, named from its values (``zero2-bf16``); pure, as
     :func:`trial_entries`."""
     if not isinstance(matrix, dict) or not matrix:
-        raise Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {show_value(matrix)}")
+        got = "an empty one" if isinstance(matrix, dict) else show_value(matrix)
+        raise Invalid("matrix", f"expected a mapping of strategy field -> list of values, got {got}")
     axes: list[tuple[str, list[Any]]] = []
     for key, values in matrix.items():
         path = join_path("matrix", str(key))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +51,9 @@ from hfscale.core.units import noise_floor_spec
 from hfscale.core.validation import Invalid, build, convert, field_types, given, join_path, reject_unknown, show_value
 from hfscale.recipes.catalog import recipe_names, resolve_recipe, shipped_recipe
 from hfscale.recipes.checks import (
-    OWNED_TRAINING_ARGS,
-    REFUSED_TRAINING_ARGS,
     check_batch_fits_data,
     check_data,
+    check_epoch_steps,
     check_folder_name,
     check_lengths,
     check_liger,
@@ -62,7 +62,6 @@ from hfscale.recipes.checks import (
     check_measured_steps,
     check_model,
     check_tensor_parallel,
-    check_training_args,
 )
 from hfscale.recipes.entries import (
     TrialEntry,
@@ -81,6 +80,7 @@ from hfscale.recipes.schema import (
     ShippedRecipe,
     SweepOptions,
 )
+from hfscale.recipes.training_args import OWNED_TRAINING_ARGS, REFUSED_TRAINING_ARGS, check_training_args
 from hfscale.recipes.workload import check_script_trial, parse_workload, recipe_folder, resolve_factories
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
@@ -136,9 +136,27 @@ def _read_yaml(path: str | os.PathLike[str]) -> tuple[str, Any]:
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{resolved}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
-        return str(resolved), yaml.safe_load(text)
+        return str(resolved), yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{resolved}: not valid YAML: {exc}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML forbids it, and PyYAML keeps the last
+    one without a word (a second ``trials:`` block replaced the first; the sweep ran only its trials)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` may be overridden by the mapping's own keys, as YAML means it to
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
@@ -238,10 +256,13 @@ def _parse(data: Any, *, default_name: str, source: str) -> Recipe:
     seen: dict[str, str] = {}
     for entry in entries:
         if entry.name in seen:
-            raise Invalid(
-                entry.path,
-                f"duplicate trial name {entry.name!r} (also {seen[entry.name]}); give each trial a unique name",
+            fix = (
+                "a matrix names its trials from their values, and these differ where the name does not show: list "
+                "them under trials: with names of their own"
+                if entry.path.startswith("matrix") and seen[entry.name].startswith("matrix")
+                else "give each trial a unique name"
             )
+            raise Invalid(entry.path, f"duplicate trial name {entry.name!r} (also {seen[entry.name]}); {fix}")
         seen[entry.name] = entry.path
     trials = [_build_trial(entry, shared) for entry in entries]
     baseline = data.get("baseline", trials[0].name)
@@ -287,6 +308,8 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     check_measure(trial_measure, join_path(path, "measure"))
     own = {"warmup_steps", "max_steps"} & set(entry.measure)  # where the two came from, to name the key written
     check_measured_steps(trial_measure, join_path(path, "measure") if own else "measure")
+    if shared.script is None:
+        check_epoch_steps(strategy, shared.data, trial_measure, join_path(path, "measure") if own else "measure")
     run_merged = {**shared.run_raw, **entry.run}
     if isinstance(shared.run_raw.get("env"), dict) and isinstance(entry.run.get("env"), dict):
         run_merged["env"] = {**shared.run_raw["env"], **entry.run["env"]}

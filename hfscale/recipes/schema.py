@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hfscale.core.validation import Invalid
-from hfscale.recipes.checks import check_batch_fits_data
+from hfscale.recipes.checks import check_batch_fits_data, check_epoch_steps
 from hfscale.strategy import Device, StrategyError
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 
@@ -38,6 +38,11 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.memory_limit_gib is not None and not 0 < self.memory_limit_gib < math.inf:
             raise ValueError(f"memory_limit_gib: expected a positive number, got {self.memory_limit_gib!r}")
+        for name, value in self.env.items():  # what the OS refuses: the launch raised on it mid-sweep
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"env: {name!r} is not an environment variable's name (empty, or holds '=' or NUL)")
+            if "\0" in value:
+                raise ValueError(f"env.{name}: a value cannot hold a NUL character")
 
 
 BatchMode = Literal["fixed", "max", "both"]
@@ -195,6 +200,8 @@ class Recipe:
         try:
             strategy = trial.spec.strategy.replace(**changes)
             check_batch_fits_data(strategy, trial.spec.data, "")
+            if trial.spec.script is None:
+                check_epoch_steps(strategy, trial.spec.data, trial.spec.measure, "measure")
         except StrategyError as exc:
             raise RecipeError(f"{where}: {exc}") from exc
         except Invalid as exc:

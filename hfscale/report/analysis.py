@@ -81,7 +81,10 @@ def resolve_baseline(rows: Sequence[TrialResult]) -> tuple[TrialResult | None, s
     if marked:
         r = marked[0]
         why = f"{r.status}: {r.reason}" if r.reason else r.status
-        return None, f"The baseline trial {r.trial} did not finish ({why}), so speed-up and memory saved are not shown."
+        return None, (
+            f"The baseline trial {r.trial} did not finish every run ok ({why}), so speed-up and memory saved are not "
+            "shown."
+        )
     if ok:
         return ok[0], (
             f"No trial is marked as the baseline, so, as for the loss check, the first trial that finished ok, "
@@ -172,6 +175,7 @@ def summarize(
     rec = recommend(frame, budget, source, evidence)
     frame["recommended"] = frame.index == rec.fastest
     frame["ties_with_fastest"] = frame.index.isin(rec.fastest_ties)
+    frame["chosen_of_tie"] = frame["recommended"] & bool(rec.fastest_ties)  # tied on speed, picked on memory
     frame["least_memory"] = frame.index == rec.most_frugal
     return Summary(
         run_dir=Path(run_dir),
@@ -239,8 +243,8 @@ def _baseline(
         return baseline, note
     base = frame.loc[baseline]
     return None, (
-        f"The baseline trial {baseline} did not finish ({base['status']}: {base['reason']}), so speed-up and "
-        "memory saved are not shown."
+        f"The baseline trial {baseline} did not finish every run ok ({base['status']}: {base['reason']}), so "
+        "speed-up and memory saved are not shown."
     )
 
 

@@ -36,7 +36,7 @@ lies between 2.4 and 2.9): what the advice sizes the runs with."""
 
 def _speedup_phrase(row: pd.Series, baseline: str | None) -> str:
     if baseline is None:
-        return "no baseline finished ok, so there is no speed-up"
+        return "no baseline that finished every run ok, so there is no speed-up"
     if row["trial"] == baseline:
         return "the baseline itself"
     value, verdict = row.get("speedup_vs_baseline"), row.get("verdict")

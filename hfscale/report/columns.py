@@ -109,7 +109,8 @@ def _notes_cell(row: Row) -> str:
     if row.get("on_pareto_front"):
         notes.append("Pareto")
     if row.get("recommended"):
-        notes.append("fastest that fits" if row.get("budget_known") else "fastest")
+        fastest = "tied fastest, chosen" if row.get("chosen_of_tie") else "fastest"
+        notes.append(f"{fastest} that fits" if row.get("budget_known") else fastest)
     if row.get("ties_with_fastest"):
         notes.append("ties on speed with the fastest")
     if row.get("least_memory"):
@@ -369,7 +370,12 @@ def flags(row: Row) -> tuple[tuple[str, str], ...]:
     if row["status"] != "ok":
         out.append((row["status"], short(row.get("reason"), 300) or "no reason recorded"))
     if row.get("recommended"):
-        out.append(("recommended", "the fastest trial" + (" that fits the budget" if row.get("budget_known") else "")))
+        fits = " that fits the budget" if row.get("budget_known") else ""
+        out.append(
+            ("recommended", f"tied on speed with the fastest trial{fits}, chosen as the Recommendation says")
+            if row.get("chosen_of_tie")
+            else ("recommended", f"the fastest trial{fits}")
+        )
     if row.get("ties_with_fastest"):
         out.append(("ties", "on speed with the fastest trial (Recommendation says how the tie was broken)"))
     if row.get("unstable") is True:

@@ -71,12 +71,18 @@ def _cross_evidence(a: Summary, b: Summary) -> SweepNoise:
     )
 
 
+FAILED_IN_B = "failed in B"
+"""The change of a trial that finished ok in A and not in B (one of its runs failed, or it has no speed): what
+``--fail-on-regression`` fails on whatever the threshold, since B measured nothing to compare."""
+
+
 def significance(a: Summary, b: Summary) -> pd.DataFrame:
-    """For each trial that finished ok in both runs: ``time_ratio`` (time per sample, B / A; above 1: B is
-    slower) with ``time_ratio_low``/``_high`` (a 95% interval from the runs of both sweeps, their noise pooled,
-    Šidák-adjusted over the trials tested so that the chance of calling any unchanged trial changed is 5%; None
-    where a side has fewer than two runs), ``change`` (``slower``, ``faster``, ``no significant change``, or
-    ``not tested``) and ``change_text`` ("B is 7.0% ± 2.1% slower")."""
+    """For each trial in both runs: ``time_ratio`` (time per sample, B / A; above 1: B is slower) with
+    ``time_ratio_low``/``_high`` (a 95% interval from the runs of both sweeps, their noise pooled, Šidák-adjusted
+    over the trials tested so that the chance of calling any unchanged trial changed is 5%; None where a side has
+    fewer than two runs), ``change`` (``slower``, ``faster``, ``no significant change``, ``not tested``, or
+    :data:`FAILED_IN_B`) and ``change_text`` ("B is 7.0% ± 2.1% slower"; for a trial that did not finish ok on a
+    side, which side and why)."""
     import pandas as pd
 
     evidence = _cross_evidence(a, b)
@@ -88,11 +94,31 @@ def significance(a: Summary, b: Summary) -> pd.DataFrame:
         ra, rb = a.trials.loc[name], b.trials.loc[name]
         speed_a, speed_b = _float(ra["samples_per_s"]), _float(rb["samples_per_s"])
         if ra["status"] != "ok" or rb["status"] != "ok" or not speed_a or not speed_b:
+            records.append(_unfinished_record(name, ra, rb, speed_a))
             continue
         said = evidence.compare(f"A:{name}", f"B:{name}", lambda df: sidak_critical(comparisons, df, confidence))
         records.append(_change_record(name, speed_a / speed_b, said))
     columns = ["trial", "time_ratio", "time_ratio_low", "time_ratio_high", "change_pct", "change", "change_text"]
     return pd.DataFrame.from_records(records, columns=columns).set_index("trial", drop=False)
+
+
+def _unfinished_record(name: str, ra: pd.Series, rb: pd.Series, speed_a: float | None) -> dict[str, Any]:
+    """A trial with no speed to compare on one side or both: which, and why (its status and reason)."""
+
+    def why(side: str, row: pd.Series) -> str:
+        if row["status"] == "ok":
+            return f"{side} has no speed"
+        reason = row.get("reason")
+        return f"{side} {row['status']}" + ("" if not isinstance(reason, str) or not reason else f" ({reason})")
+
+    a_ok = ra["status"] == "ok" and bool(speed_a)
+    if a_ok:
+        change, text = FAILED_IN_B, f"B did not finish ok: {why('B', rb)}"
+    else:
+        sides = [why(side, row) for side, row in (("A", ra), ("B", rb)) if row["status"] != "ok" or side == "A"]
+        change, text = "not tested", "not tested: " + "; ".join(sides)
+    return {"trial": name, "time_ratio": None, "time_ratio_low": None, "time_ratio_high": None, "change_pct": None,
+            "change": change, "change_text": text}  # fmt: skip
 
 
 def _change_record(name: str, ratio: float, said: Comparison) -> dict[str, Any]:
@@ -129,9 +155,9 @@ def _change_record(name: str, ratio: float, said: Comparison) -> dict[str, Any]:
 
 def regressions(table: pd.DataFrame, threshold_pct: float) -> list[str]:
     """Trials significantly slower in B by more than ``threshold_pct`` percent (the point estimate of the change;
-    untested changes never count)."""
-    slow = table[(table["change"] == "slower") & (table["change_pct"] > threshold_pct)]
-    return list(slow["trial"])
+    untested changes never count), and trials that finished ok in A but not in B (:data:`FAILED_IN_B`)."""
+    slow = (table["change"] == "slower") & (table["change_pct"].astype(float) > threshold_pct)
+    return list(table["trial"][slow | (table["change"] == FAILED_IN_B)])
 
 
 def _labels(a: Path, b: Path) -> tuple[str, str]:
@@ -315,7 +341,9 @@ CHANGE_NOTE = (
     "trials compared (the chance of calling any unchanged trial changed is 5%). It assumes both sweeps ran on "
     "machines of one kind: a machine that is slower as a whole shows as a change of every trial. No significant "
     "change: the interval holds 1 or the change is within 2% (the noise threshold). ± is half the interval's width. "
-    "With fewer than two runs a side only a change within 2% can be called; a larger one is not tested."
+    "With fewer than two runs a side only a change within 2% can be called; a larger one is not tested. A trial "
+    "that finished ok in A and not in B (a run crashed, ran out of memory or timed out) has no change to test and "
+    "is named as such; --fail-on-regression fails on it."
 )
 
 
@@ -323,6 +351,7 @@ __all__ = [
     "COMPARE_CSV",
     "COMPARE_HTML",
     "COMPARE_MD",
+    "FAILED_IN_B",
     "RATIO_KEYS",
     "compare_runs",
     "regressions",

@@ -102,9 +102,9 @@ def trial_noise(runs: Sequence[TrialResult]) -> tuple[dict[str, Any], list[float
     verdicts: :func:`sweep_columns` adds the intervals once every trial's runs are known).
 
     Columns: ``steps_n``, ``repeats_n`` (runs with a figure), ``step_time_mean_s``, ``step_time_cv_pct`` and
-    ``step_mean_se_pct`` (within-run diagnostics), ``repeat_spread_pct`` ((max - min) / mean of the runs' figures),
-    ``samples_per_s``/``tokens_per_s`` (geometric means over runs), ``unstable``/``unstable_reason`` (the machine
-    was busy), ``peak_gib_min``/``peak_gib_max`` over repeats, ``energy_j``, ``energy_per_sample_j``.
+    ``step_mean_se_pct`` (within-run diagnostics), ``samples_per_s``/``tokens_per_s`` (geometric means over runs),
+    ``unstable``/``unstable_reason`` (the machine was busy), ``peak_gib_min``/``peak_gib_max`` over repeats,
+    ``energy_j``, ``energy_per_sample_j``.
     """
     ok = [r for r in runs if r.status == "ok"]
     rates = run_rates(ok)
@@ -122,8 +122,6 @@ def trial_noise(runs: Sequence[TrialResult]) -> tuple[dict[str, Any], list[float
     if rates:
         out["samples_per_s"] = _geometric_mean(rates)
         out["tokens_per_s"] = _geometric_mean(run_rates(ok, "tokens_per_s"))
-        if len(rates) > 1:
-            out["repeat_spread_pct"] = 100 * (max(rates) - min(rates)) / statistics.fmean(rates)
     if reasons:
         out.update(unstable=True, unstable_reason="; ".join(reasons))
     return out, rates
@@ -141,7 +139,6 @@ _KEYS = (
     "tokens_per_s_high",
     "step_time_cv_pct",
     "step_mean_se_pct",
-    "repeat_spread_pct",
     "run_noise_pct",
     "unstable",
     "unstable_reason",

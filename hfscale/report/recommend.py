@@ -343,10 +343,15 @@ class _Pool:
     out rather than silently missing from the answer."""
     tracks_unstable: bool
     """Whether the frame has the ``unstable`` column (a frame without it has no unstable rows)."""
+    frugal: pd.DataFrame
+    """The candidates with the trials an adaptive search pruned: pruned on speed, their memory is as measured as
+    any other's, and the least memory is asked of all."""
 
 
 def _pool(frame: pd.DataFrame) -> _Pool:
     ok = frame[frame["status"] == "ok"]
+    measured = ok["samples_per_s"].notna() & ok["peak_gib"].notna()
+    frugal = ok[measured & ~ok["parity_flagged"].fillna(False).astype(bool)]
     if "pruned" in ok:  # an adaptive search found them slower than its leader beyond the noise
         ok = ok[ok["pruned"].isna()]
     measured = ok["samples_per_s"].notna() & ok["peak_gib"].notna()
@@ -356,12 +361,12 @@ def _pool(frame: pd.DataFrame) -> _Pool:
     if "unstable" not in candidates:
         return _Pool(
             candidates=candidates, steady=candidates, unstable=candidates.iloc[0:0], flagged=flagged,
-            unmeasured=unmeasured, tracks_unstable=False,
+            unmeasured=unmeasured, tracks_unstable=False, frugal=frugal,
         )  # fmt: skip
     unstable_mask = candidates["unstable"].fillna(False).astype(bool)
     return _Pool(
         candidates=candidates, steady=candidates[~unstable_mask], unstable=candidates[unstable_mask],
-        flagged=flagged, unmeasured=unmeasured, tracks_unstable=True,
+        flagged=flagged, unmeasured=unmeasured, tracks_unstable=True, frugal=frugal,
     )  # fmt: skip
 
 
@@ -471,7 +476,7 @@ def recommend(
     lines = list(said)
     if fastest is not None:
         lines += _other_job_lines(fastest, frame)
-    frugal, said = _frugal_lines(pool.candidates, evidence)
+    frugal, said = _frugal_lines(pool.frugal, evidence)
     lines += said
     lines.append(_memory_note(pool.candidates))
     lines += _left_out_lines(pool, frame)

@@ -28,12 +28,20 @@ def cost_phrase(search: SearchSummary) -> str:
 
 
 def search_sentence(search: SearchSummary) -> Text:
-    """What the answer adds for an adaptive search: its question, what it spent, and why it stopped."""
-    return rich(
+    """What the answer adds for an adaptive search: its question, what it spent, and why it stopped; without a
+    noise floor, that its verdicts rest on the noise of its own runs (the caveat belongs beside the answer: the
+    decision trace is further down)."""
+    said = rich(
         " An adaptive search asked for {question} and spent {cost}; it stopped: {why}.",
         question=search.question,
         cost=cost_phrase(search),
         why=search.stop_reason,
+    )
+    if search.noise_floor is not None:
+        return said
+    return said + plain(
+        " Its verdicts rest on the noise its own runs measured over minutes: on a machine whose speed drifts, "
+        "confirm the answer by a grid or give --noise-floor (How the search decided)."
     )
 
 

@@ -170,7 +170,7 @@ def trial_record(name: str, group: Sequence[TrialResult]) -> dict[str, Any]:
         "status": status,
         "reason": reason,
         "is_baseline": any(r.is_baseline for r in group),
-        "runs": sum(r.status != "pruned" for r in group),
+        "runs": sum(r.status not in ("pruned", "skipped") for r in group),  # rows of runs that never started: no runs
         "pruned": pruned_reason(group),
         "stopping": next((r.stopping for r in group if r.stopping), None),
         "world_size": world,

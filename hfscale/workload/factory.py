@@ -48,7 +48,7 @@ def load_callable(reference: str) -> Callable[..., Any]:
     where, name = split_reference(reference)
     try:
         module = _load_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
-    except (ImportError, OSError, SyntaxError) as exc:
+    except Exception as exc:  # the user's module runs at import: whatever it raises, it did not import
         raise ValueError(f"{reference!r}: cannot import {where} ({type(exc).__name__}: {exc})") from exc
     found = getattr(module, name, None)
     if not callable(found):
@@ -69,7 +69,11 @@ def _load_file(path: Path) -> Any:
         raise ImportError(f"{path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]  # not a half-run module that the next load would return as imported
+        raise
     return module
 
 

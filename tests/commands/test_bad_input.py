@@ -103,7 +103,7 @@ def test_an_output_path_that_is_a_file_is_refused_with_its_argument(a_file, a_ru
     assert f"cannot write the report: {a_file}" in capsys.readouterr().err
     assert compare_main([str(a_run), str(a_run), "--out", str(a_file / "x")]) == 2
     assert f"cannot write the comparison: {a_file}" in capsys.readouterr().err
-    assert slurm(["cpu_small", "--nodes", "2", "--gpus-per-node", "1", "--out", str(a_file / "x.sbatch")]) == 2
+    assert slurm(["bert_large", "--nodes", "2", "--gpus-per-node", "1", "--out", str(a_file / "x.sbatch")]) == 2
     assert f"argument --out: {a_file / 'x.sbatch'}: Not a directory" in capsys.readouterr().err
     for flag, value in (("--out-dir", a_file), ("--run-dir", a_file / "x")):
         assert sweep(["cpu_small", "--only", "fp32", flag, str(value)]) == 2
@@ -149,6 +149,10 @@ def test_estimate_names_a_config_key_the_model_lacks_and_a_value_it_cannot_build
     assert "--config hidden_size: expected a positive integer, got 0" in capsys.readouterr().err
     assert estimate(["gpt2", "--config", "resid_pdrop=x"]) == 2  # a value of the wrong type, refused by transformers
     assert "cannot build the model from its config (check --config)" in capsys.readouterr().err
+    # A mistyped recipe name was taken for a model type: transformers' 12 kB list of types, no word of recipes.
+    assert estimate(["cpu_smal"]) == 2
+    err = capsys.readouterr().err
+    assert "'cpu_smal' is neither a recipe" in err and "did you mean 'cpu_small'" in err and len(err) < 400
 
 
 def test_lora_options_without_a_rank_and_ports_out_of_range_are_refused(tmp_path, capsys):
@@ -201,15 +205,35 @@ TINY = {"device": "cpu", "model": {"config": {"hidden_size": 32, "num_hidden_lay
          r"model\.config", "Validation error for field 'resid_pdrop'"),
         ({"data": {"token_low": 500, "token_high": 100}}, "data.token_low", r"expected 0 <= data.token_low <"),
         ({"measure": {"warmup_steps": 8, "max_steps": 8}}, r"measure\.warmup_steps",
-         r"expected fewer than max_steps \(8\)"),
+         r"expected at most max_steps - 2 \(6\)"),
+        ({"measure": {"warmup_steps": 2, "max_steps": 3}}, r"measure\.warmup_steps",
+         r"expected at most max_steps - 2 \(1\).* a figure needs two, got 2"),  # one measured step: no figure
+        # An epoch of 32 samples at 8 a step is 4 steps: a warm-up of 5 (the default) leaves none.
+        ({"data": {"num_samples": 32}, "defaults": {"per_device_batch_size": 8}, "measure": {"num_epochs": 1}},
+         r"measure\.warmup_steps", r"1 epoch\(s\) of 32 samples at 8 a step run at most 4 optimizer step\(s\): a "
+         r"warm-up of 5 leaves fewer than the two"),
+        ({"data": {"num_samples": 64}, "measure": {"warmup_steps": 2},
+          "trials": [{"name": "a", "per_device_batch_size": 4, "gradient_accumulation_steps": 16}]},
+         r"measure\.warmup_steps", r"1 epoch\(s\) of 64 samples at 64 a step run at most 1 optimizer step"),
         ({"trials": [{"name": "a", "measure": {"max_steps": 2}}], "measure": {"warmup_steps": 2}},
-         r"trials\[0\]\.measure\.warmup_steps", r"expected fewer than max_steps \(2\)"),
+         r"trials\[0\]\.measure\.warmup_steps", r"expected at most max_steps - 2 \(0\)"),
         ({"data": {"lengths": {"distribution": "histogram", "histogram": {"64": 1.0}}}},
          r"data\.lengths\.histogram\.64", r"keys must be integers \(unquoted\)"),
         ({"run": {"memory_limit_gib": math.nan}}, r"run\.memory_limit_gib", "expected a number, got"),
         ({"run": {"memory_limit_gib": math.inf}}, "run", "memory_limit_gib: expected a positive number, got inf"),
         ({"data": {"lengths": {"distribution": "histogram", "histogram": {16: math.inf}}}},
          r"data\.lengths\.histogram", "expected lengths 1 to data.seq_len"),
+        # A config transformers takes for a model it cannot build: every trial crashed on it.
+        ({"model": {"config": {"hidden_size": 30, "num_hidden_layers": 1, "num_attention_heads": 4}}}, "model.config",
+         r"transformers cannot build the model from it: The hidden size \(30\) is not a multiple of the number of "
+         r"attention heads \(4\)"),
+        ({"model": {"config": {**TINY["model"]["config"], "hidden_act": "bogus"}}}, "model.config",
+         r"transformers cannot build the model from it: it has no 'bogus' \(an activation or other name"),
+        ({"model": {"config": {**TINY["model"]["config"], "num_labels": 2}}, "data": {"num_labels": 5}},
+         "data.num_labels", r"expected at most 2, the model's classes \(model.config.num_labels\)"),
+        ({"data": {"num_labels": 0}}, "data.num_labels", "expected a positive integer, got 0"),
+        ({"run": {"env": {"A=B": "1"}}}, "run", r"env: 'A=B' is not an environment variable's name"),
+        ({"run": {"env": {"A": "x\0y"}}}, "run", r"env\.A: a value cannot hold a NUL character"),
         # TrainingArguments takes these as written; the optimizer or the scheduler failed on them inside the trial.
         ({"training_args": {"learning_rate": "abc"}}, r"training_args\.learning_rate", "expected a number, got 'abc'"),
         ({"trials": [{"name": "a", "training_args": {"dataloader_num_workers": 1.5}}]},

@@ -16,7 +16,7 @@ from hfscale.workload.spec import MeasureSpec
 
 BASE = {
     "device": "cpu",
-    "model": {"type": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2}},
+    "model": {"type": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
     "data": {"num_samples": 16, "seq_len": 32},
     "training_args": {"learning_rate": "5e-5", "logging_steps": 1},
     "measure": {"max_steps": 3, "warmup_steps": 1, "timeout_s": 60},
@@ -45,7 +45,7 @@ def test_load_builds_trials_with_defaults_and_recipe_sections(tmp_path):
     assert fp32.strategy.per_device_batch_size == bf16.strategy.per_device_batch_size == 4
     assert (fp32.strategy.precision, bf16.strategy.precision) == ("fp32", "bf16")
     assert fp32.strategy.device == "cpu" and fp32.strategy.name == "fp32"
-    assert fp32.model.config == {"hidden_size": 64, "num_hidden_layers": 2}
+    assert fp32.model.config == {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
     assert (fp32.data.num_samples, fp32.data.seq_len) == (16, 32)
     assert fp32.measure.max_steps == 3
     # "5e-5" is a string to PyYAML; a float field of TrainingArguments takes it as the number.
@@ -274,6 +274,15 @@ def test_duplicate_names_are_rejected_explicit_and_from_the_matrix(tmp_path):
     clash = with_(trials=[{"name": "zero2"}], defaults={"num_processes": 2}, matrix={"deepspeed.zero_stage": [2]})
     with pytest.raises(RecipeError, match=re.escape("matrix[zero2]: duplicate trial name 'zero2' (also trials[0])")):
         load_recipe(write(tmp_path, clash))
+    # Two combinations named alike cannot be renamed in the matrix: the message says what can be done instead.
+    alike = with_(trials=[], matrix={"lora": [{"rank": 4, "target_modules": ["query"]},
+                                              {"rank": 4, "target_modules": ["value"]}]})  # fmt: skip
+    said = r"duplicate trial name 'lora-r4' \(also matrix\[lora-r4\]\); a matrix names its trials from their values"
+    with pytest.raises(RecipeError, match=said + r".*list them under trials: with names"):
+        load_recipe(write(tmp_path, alike))
+    with pytest.raises(RecipeError, match=r"matrix: expected a mapping of strategy field -> list of values, got an "
+                                          r"empty one"):  # fmt: skip
+        load_recipe(write(tmp_path, with_(matrix={})))
 
 
 def test_a_yaml_syntax_error_names_the_file(tmp_path):
@@ -322,6 +331,24 @@ def test_unreadable_recipe_paths_are_recipe_errors(tmp_path: Path) -> None:
 def test_a_seed_that_is_not_an_integer_is_refused_at_load(tmp_path, seed):
     with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.seed: expected an integer"):
         load_recipe(write(tmp_path, with_(training_args={"seed": seed})))
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word: a second trials: block replaced the first and the
+    sweep ran only its trials. A merge (<<) is still overridden by the mapping's own keys, as YAML means it."""
+    text = yaml.safe_dump(BASE, sort_keys=False) + "trials:\n  - {name: ckpt, gradient_checkpointing: true}\n"
+    (tmp_path / "x.yaml").write_text(text, encoding="utf-8")
+    with pytest.raises(RecipeError, match=r"(?s)x\.yaml: not valid YAML: .*found the key 'trials' twice") as raised:
+        load_recipe(tmp_path / "x.yaml")
+    second = max(k for k, line in enumerate(text.splitlines(), 1) if line == "trials:")
+    assert f"line {second}," in str(raised.value)  # the second one's line
+    merged = yaml.safe_dump({k: v for k, v in BASE.items() if k != "trials"}, sort_keys=False) + (
+        "trials:\n  - &base {name: fp32, per_device_batch_size: 4}\n"
+        "  - {<<: *base, name: bs2, per_device_batch_size: 2}\n"
+    )
+    (tmp_path / "m.yaml").write_text(merged, encoding="utf-8")
+    recipe = load_recipe(tmp_path / "m.yaml")
+    assert [(t.name, t.spec.strategy.per_device_batch_size) for t in recipe.trials] == [("fp32", 4), ("bs2", 2)]
 
 
 def test_training_args_of_the_right_type_load_as_written(tmp_path):

@@ -74,7 +74,7 @@ def test_bert_large_reproduces_the_reference_setup():
         for s in (t.spec.strategy for t in recipe.trials)
         if s.deepspeed is None and s.fsdp is None
     }
-    # The nine rows of the transformers guide (shared/reference/v100-bert-large.md).
+    # The nine rows of the transformers guide (their V100 figures: results/README.md).
     reference = {
         (4, 1, False, "fp32", "adamw_torch"),
         (1, 4, False, "fp32", "adamw_torch"),

@@ -422,6 +422,27 @@ def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: py
     assert "B is" in (tmp_path / "c2" / "compare.md").read_text(encoding="utf-8")
 
 
+def test_compare_fails_when_a_trial_that_finished_in_a_did_not_in_b(tmp_path: Path, capsys) -> None:
+    """A CI gate must not pass a B that did not finish: a trial ok in A and crashed in B (one of its runs is enough)
+    is named as such and fails --fail-on-regression at any threshold; one that failed in A is not tested, and
+    says why."""
+    a = write_run(tmp_path / "a", [*_tworuns_of("base", 0.10, seed=1), *_tworuns_of("x", 0.10, seed=10)], ENV)
+    crashed = dataclasses.replace(_tworuns_of("x", 0.10, seed=30)[1], status="crashed", reason="boom", measured=None)
+    b_rows = [*_tworuns_of("base", 0.10, seed=20), _tworuns_of("x", 0.10, seed=30)[0], crashed]
+    b = write_run(tmp_path / "b", b_rows, ENV)
+    argv = [str(a), str(b), "--out", str(tmp_path / "c"), "--fail-on-regression", "50"]
+    assert report_command.compare_main(argv) == 1
+    out = capsys.readouterr()
+    assert "x: B did not finish ok: B crashed (repeat 2 of 2: boom; 1 repeat(s) ok)" in out.out
+    assert "regression: x finished ok in A, not in B" in out.err
+    md = (tmp_path / "c" / "compare.md").read_text(encoding="utf-8")
+    assert "B did not finish ok" in md
+    # The other way round nothing was measured in A to regress from: not tested, named, and no failure.
+    tests = significance(report.summarize_run(b), report.summarize_run(a))
+    assert tests.loc["x", "change"] == "not tested" and "A crashed" in tests.loc["x", "change_text"]
+    assert regressions(tests, 5) == [] and tests.loc["base", "change"] == "no significant change"
+
+
 def test_compare_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert report_command.compare_main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -54,6 +54,26 @@ def test_a_factory_that_does_not_import_is_refused_with_its_key(tmp_path: Path) 
     data["model"] = {"factory": "not a reference"}
     with pytest.raises(RecipeError, match=r"model\.factory: 'not a reference': expected 'package\.module:function'"):
         load_recipe(write_recipe(tmp_path, data))
+    # A module that raises as it is imported (a traceback before), and twice: no half-run module is kept.
+    broken = tmp_path / "broken_factories.py"
+    broken.write_text("def build():\n    return None\n\nundefined_name  # NameError at import\n", encoding="utf-8")
+    data["model"] = {"factory": "broken_factories.py:build"}
+    for _ in range(2):
+        with pytest.raises(RecipeError, match=r"model\.factory: .*cannot import .*broken_factories\.py \(NameError"):
+            load_recipe(write_recipe(tmp_path, data))
+
+
+def test_keyword_arguments_a_factory_does_not_take_are_refused_with_their_key(tmp_path: Path) -> None:
+    """They raised a TypeError inside every trial."""
+    data = _recipe(tmp_path)
+    data["model"]["config"] = {"hidden_size": 32, "bogus": 1}
+    with pytest.raises(RecipeError, match=r"model\.config: .*build_model does not take these keyword arguments: .*"
+                                          r"'bogus'"):  # fmt: skip
+        load_recipe(write_recipe(tmp_path, data))
+    data = _recipe(tmp_path)
+    data["data"]["factory_kwargs"] = {"m": 1}
+    with pytest.raises(RecipeError, match=r"data\.factory_kwargs: .*build_data does not take .*'m'"):
+        load_recipe(write_recipe(tmp_path, data))
 
 
 @pytest.mark.slow

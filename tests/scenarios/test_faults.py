@@ -56,7 +56,7 @@ SKIPPED = {
     "device": "cpu",
     "model": MODEL,
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
-    "measure": {"repeats": 1},
+    "measure": {"repeats": 1, "warmup_steps": 1},  # an epoch is 4 steps
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
     "trials": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
 }
@@ -153,7 +153,7 @@ TWO_PROCESSES = {
     "model": MODEL,
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
     "training_args": {"report_to": "none"},
-    "measure": {"max_steps": 2, "warmup_steps": 1, "timeout_s": 120, "repeats": 1},
+    "measure": {"max_steps": 2, "warmup_steps": 0, "timeout_s": 120, "repeats": 1},
     "run": {"env": {"OMP_NUM_THREADS": "1"}},
     "defaults": {"per_device_batch_size": 2, "num_processes": 2, "optimizer": "adamw_torch"},
     "trials": [{"name": "ddp"}],

@@ -250,7 +250,7 @@ SKIPPED_RECIPE = {
     "model": {"type": "bert", "task": "classification", "config": {"hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 1000}},
     "data": {"num_samples": 16, "seq_len": 32, "token_high": 1000},
-    "measure": {"repeats": 1},
+    "measure": {"repeats": 1, "warmup_steps": 1},  # an epoch is 4 steps
     "defaults": {"per_device_batch_size": 4, "num_processes": 1, "optimizer": "adamw_torch"},
     "trials": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
 }  # fmt: skip

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.runs import write_recipe
 
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SweepError, SweepSettings
@@ -289,10 +290,13 @@ def test_slurm_job_errors_name_the_option() -> None:
     assert "export HFSCALE_RUN_DIR=runs/r-1\n" in resumed and "--resume runs/r-1 --num-machines 2" in resumed
 
 
-def test_hfscale_slurm_command_writes_the_script_and_prints_each_node(tmp_path: Path, capsys) -> None:
+def test_hfscale_slurm_command_writes_the_script_and_prints_each_node(tmp_path: Path, capsys, monkeypatch) -> None:
     from hfscale.commands.main import main
 
     out = tmp_path / "job.sbatch"
+    monkeypatch.chdir(tmp_path)
+    recipe = {"name": "r", "device": "cuda", "measure": {"max_steps": 10, "warmup_steps": 2}}
+    write_recipe(tmp_path, {**recipe, "trials": [{"name": "a"}, {"name": "b"}]}, "r.yaml")
     assert (
         main(["slurm", "r.yaml", "--nodes", "2", "--gpus-per-node", "8", "--out", str(out), "--", "--only", "a"]) == 0
     )
@@ -301,6 +305,26 @@ def test_hfscale_slurm_command_writes_the_script_and_prints_each_node(tmp_path: 
     assert f"sbatch {out}" in printed
     assert "node 1: python -m hfscale.sweep r.yaml --run-dir runs/r --num-machines 2 --num-processes 16 --only a " \
         "--machine-rank 1 --main-process-ip MAIN_HOST --main-process-port 29500" in printed  # fmt: skip
+
+
+def test_hfscale_slurm_refuses_what_every_driver_would_refuse_before_the_job_queues(tmp_path: Path, capsys) -> None:
+    """Each of these wrote a script and exited 0; every node's driver then refused to start, after the queue."""
+    from hfscale.commands.slurm import main as slurm
+
+    cases = [
+        (["nope", "--nodes", "2", "--gpus-per-node", "1"], "nope: no such recipe file"),
+        (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1", "--", "--bogus-flag"],
+         "the options after -- are not hfscale sweep's: --bogus-flag"),
+        (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1", "--", "--timeout-s", "-5"],
+         "the options after --: --timeout-s"),
+        (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1"],
+         "strategy.num_processes=1 is not a multiple of strategy.num_machines=2"),
+        (["--resume", str(tmp_path / "no-run"), "--nodes", "2", "--gpus-per-node", "1"], "not a run folder here"),
+    ]  # fmt: skip
+    for argv, says in cases:
+        assert slurm(["--out", str(tmp_path / "job.sbatch"), *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv
+        assert not (tmp_path / "job.sbatch").exists()
 
 
 def test_every_resume_hint_names_the_command_that_works_for_its_run() -> None:

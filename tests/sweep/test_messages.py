@@ -17,6 +17,7 @@ RECIPE = {
     "device": "cpu",
     "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},
     "data": {"num_samples": 16, "seq_len": 16},
+    "measure": {"warmup_steps": 0},  # an epoch is 2 steps of 4 samples on each of 2 processes
     "run": {"env": {"OMP_NUM_THREADS": "1"}, "memory_limit_gib": 4.0},
     "defaults": {"per_device_batch_size": 4, "num_processes": 2, "num_machines": 2},
     "trials": [{"name": "ddp"}, {"name": "ddp-ckpt", "gradient_checkpointing": True}],

@@ -1,0 +1,118 @@
+"""Which ``TrainingArguments`` keywords a recipe may set (the strategy and the runner own the others), and that each
+value has its field's type: a recipe's ``training_args`` and a trial's, checked before anything runs. Every check
+raises :class:`hfscale.core.validation.Invalid` at the dotted key it is about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import operator
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from hfscale.core.validation import Invalid, convert, float_text, join_path
+
+# TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
+# them (they would be silently overridden), and the message says where they belong instead.
+OWNED_TRAINING_ARGS: dict[str, str] = {
+    "per_device_train_batch_size": "the strategy's per_device_batch_size",
+    "gradient_accumulation_steps": "the strategy's gradient_accumulation_steps",
+    "fp16": "the strategy's precision (fp32, fp16 or bf16)",
+    "bf16": "the strategy's precision (fp32, fp16 or bf16)",
+    "half_precision_backend": "the strategy's precision",
+    "optim": "the strategy's optimizer",
+    "gradient_checkpointing": "the strategy's gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "activation_checkpointing": "the strategy's gradient_checkpointing",
+    "activation_checkpointing_kwargs": "the strategy's gradient_checkpointing",
+    "deepspeed": "the strategy's deepspeed section",
+    "fsdp": "the strategy's fsdp section",
+    "fsdp_config": "the strategy's fsdp section",
+    "use_cpu": "the recipe's device",
+    "no_cuda": "the recipe's device",
+    "local_rank": "the launcher",
+    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
+    "max_steps": "the recipe's measure.max_steps",
+    "num_train_epochs": "the recipe's measure.num_epochs",
+    "output_dir": "the sweep (each trial writes into its own folder)",
+    "torch_compile": "the strategy's torch_compile section",
+    "torch_compile_backend": "the strategy's torch_compile.backend",
+    "torch_compile_mode": "the strategy's torch_compile.mode",
+    "tf32": "the strategy's tf32",
+    "use_liger_kernel": "the strategy's use_liger_kernel",
+}
+
+# TrainingArguments keywords a recipe may not turn on, and why.
+REFUSED_TRAINING_ARGS: dict[str, str] = {
+    "auto_find_batch_size": (
+        "refused: after an out-of-memory error the Trainer halves the batch and trains again, so the row would be "
+        "measured at a batch other than the strategy's (and the callbacks restart, losing the OOM); search for the "
+        "largest batch that fits with `hfscale sweep --find-max-batch` instead"
+    ),
+}
+
+
+def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
+    """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
+    ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
+    float.
+
+    A value of a field whose type is a plain one (a number, a flag, a string, one of an enum's names) is checked
+    against it here: ``TrainingArguments`` itself takes ``learning_rate: abc``, and the trial failed only when the
+    optimizer was built, a crashed row instead of this message."""
+    for key, value in training_args.items():
+        if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
+        if key in REFUSED_TRAINING_ARGS and value:
+            raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
+        if key in OWNED_TRAINING_ARGS:
+            raise Invalid(
+                join_path(path, key),
+                f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
+            )
+    known = _training_args_fields()
+    if known is None:
+        return dict(training_args)
+    out = {}
+    for key, value in training_args.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
+        field_type = known[key]  # null passes: the Trainer reads some float fields' None as "off" (max_grad_norm)
+        checked = value if field_type is None or value is None else convert(field_type, value, join_path(path, key))
+        out[key] = checked if float_text(value) is not None else value
+    return out
+
+
+def _training_args_fields() -> dict[str, Any] | None:
+    """``TrainingArguments``' field names, each with the type its value is checked against (None: not checked here,
+    as a mapping or a list is), or None when transformers is not installed (the trial then checks them)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    return {f.name: _plain_type(f.type) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_type(tp: Any) -> Any:
+    """``tp`` where each member is a plain type (an enum, which ``TrainingArguments`` takes by value, as the
+    ``Literal`` of its values; ``SchedulerType | str`` is one of the scheduler names), else None."""
+    members = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
+    if not all(m in _PLAIN or m in enums for m in members):
+        return None
+    if enums:
+        values = tuple(e.value for m in enums for e in m)
+        members = (Literal[values], *(m for m in members if m is type(None)))  # the str beside the enum is its names
+    return functools.reduce(operator.or_, members) if len(members) > 1 else members[0]
+
+
+__all__ = ["OWNED_TRAINING_ARGS", "REFUSED_TRAINING_ARGS", "check_training_args"]
