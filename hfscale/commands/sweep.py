@@ -24,6 +24,8 @@ from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
 from hfscale.results.run_folder import RunFolderError
 from hfscale.sweep.adaptive import refuse_search_keys
+from hfscale.sweep.batch import check_batch_search
+from hfscale.sweep.batch_axis import batch_settings
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
 from hfscale.sweep.outcome import (
@@ -285,6 +287,8 @@ def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchIn
     else:
         recipe = load_recipe(args.recipe)
         refuse_search_keys(recipe.sweep, settings)  # as the sweep would (open_sweep), before its lines
+        counts = {"num_processes": settings.num_processes, "num_machines": settings.num_machines}
+        check_batch_search(recipe.resolve(**counts), batch_settings(recipe.sweep, settings))
         try:
             check_lock_environment()
         except ValueError as exc:

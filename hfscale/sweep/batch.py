@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from hfscale.core.validation import join_path
+from hfscale.launch.settings import SweepError
 from hfscale.records.batch import (
     MAX_BATCH_SUFFIX,
     BatchProbe,
@@ -348,6 +350,30 @@ def _found_line(result: BatchSearchResult, upper_limit: int) -> str:
         + (f"; stopped: {result.stopped_reason}" if result.stopped_reason else "")
     )
     return f"{found} ({len(result.probes)} probes)"
+
+
+def check_batch_search(trials: Sequence[RecipeTrial], settings: SweepSettings) -> None:
+    """Refuse, before anything runs, a largest-batch search that cannot do what it is asked: for a user's script
+    (its data is the script's own: the recipe key ``batch`` is refused there, and ``--find-max-batch`` was taken),
+    or under a limit below a searched trial's own batch (the search would start below it, and the ``-maxbatch``
+    row would run a smaller batch than the trial).
+
+    Raises:
+        SweepError: naming the option or key.
+    """
+    for trial in trials:
+        if not searched(trial, settings):
+            continue
+        where = "--find-max-batch" if settings.find_max_batch else join_path(trial.source, "batch")
+        if trial.spec.script is not None:
+            raise SweepError(f"{where}: the largest-batch search trains data hfscale builds: not with workload.script")
+        own = trial.spec.strategy.per_device_batch_size
+        if settings.max_batch_limit < own:
+            raise SweepError(
+                f"the largest-batch search's limit {settings.max_batch_limit} (sweep.max_batch_limit or "
+                f"--max-batch-limit) is below {trial.name}'s own per-device batch {own}: raise the limit to {own} "
+                "or more"
+            )
 
 
 def searched(trial: RecipeTrial, settings: SweepSettings) -> bool:

@@ -32,6 +32,7 @@ from hfscale.sweep.adaptive import (
     refuse_search_keys,
     search_settings,
 )
+from hfscale.sweep.batch import check_batch_search
 from hfscale.sweep.batch_axis import batch_settings, fixed_batch_trials
 from hfscale.sweep.slurm import resume_command
 
@@ -98,6 +99,7 @@ def open_sweep(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
     check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))
+    check_batch_search(trials, settings)
     floor = _resumed_floor(resumed, recorded) if resumed is not None else None
     if floor is None and settings.search == "adaptive" and settings.noise_floor is not None:
         if resumed is not None:

@@ -278,6 +278,26 @@ def test_models_without_a_table_of_learned_positions_take_any_length(model, tmp_
     assert load_recipe(write_recipe(tmp_path, recipe)).trials[0].spec.data.seq_len == 64
 
 
+def test_a_largest_batch_search_it_cannot_run_is_refused_before_the_sweep(tmp_path, capsys):
+    """A limit below a trial's own batch started the search below it (the -maxbatch row ran a smaller batch than
+    the trial); --find-max-batch on a script's recipe was taken, although the recipe key batch is refused there."""
+    from helpers.paths import SCRIPTS
+    from helpers.runs import write_recipe
+
+    small = {**TINY, "defaults": {"per_device_batch_size": 8}, "sweep": {"batch": "both", "max_batch_limit": 4},
+             "trials": [{"name": "a"}]}  # fmt: skip
+    for argv in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
+        assert sweep([str(write_recipe(tmp_path, small)), *argv]) == 2
+        assert "limit 4 (sweep.max_batch_limit or --max-batch-limit) is below a's own per-device batch 8" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "run").exists()
+    script = {"name": "s", "device": "cpu", "workload": {"script": str(SCRIPTS / "hf_example.py")},
+              "trials": [{"name": "a"}]}  # fmt: skip
+    assert sweep([str(write_recipe(tmp_path, script)), "--dry-run", "--find-max-batch"]) == 2
+    assert "--find-max-batch: the largest-batch search trains data hfscale builds" in capsys.readouterr().err
+
+
 def test_estimate_leaves_a_pretrained_or_factory_models_config_keys_alone():
     """As the recipe loader: a hub model's or a factory's config is its own, not the model type's."""
     from hfscale.commands.estimate import _check_config_keys
