@@ -15,6 +15,7 @@ from hfscale.core.files import os_error_text
 from hfscale.launch.plan import SettingError, SweepSettings
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
+from hfscale.recipes.workload import recipe_with_script
 from hfscale.sweep.slurm import SlurmJob
 
 
@@ -58,7 +59,8 @@ def what_the_drivers_refuse(job: SlurmJob) -> str | None:
     trial the job's counts do not fit (``num_processes`` not a multiple of the nodes, a batch the data cannot fill);
     None when they would all start."""
     argv = job.driver_argv("runs/check")[3:]  # less `python -m hfscale.sweep`
-    argv = argv[: argv.index("--")] if "--" in argv else argv  # a script's own arguments are the script's
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, script_args = argv[:cut], argv[cut + 1 :]  # a script's own arguments are the script's
     parser = sweep_parser()
     parser.exit_on_error = False
     try:
@@ -75,7 +77,8 @@ def what_the_drivers_refuse(job: SlurmJob) -> str | None:
     if job.resume:
         return None if Path(job.recipe).is_dir() else f"{job.recipe}: not a run folder here (--resume takes one)"
     try:
-        load_recipe(job.recipe).resolve(num_processes=job.num_processes, num_machines=job.nodes)
+        recipe = recipe_with_script(job.recipe, args.script, script_args) if args.script else job.recipe
+        load_recipe(recipe).resolve(num_processes=job.num_processes, num_machines=job.nodes)
     except (RecipeError, OSError) as exc:
         return f"{exc} (checked here before the job waits in the queue; every node reads the same recipe)"
     return None

@@ -98,7 +98,11 @@ def _check_model_builds(model: ModelSpec, data: DataSpec) -> None:
 
     try:
         build_meta_model(model, data)
+    except (RuntimeError, NotImplementedError, ImportError, OSError):
+        return  # what the meta device or this machine cannot do (a kernel, a package): the trial says, as the estimate
     except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+        if "Unrecognized configuration class" in str(exc):  # no head of the task's kind for this model type
+            raise Invalid("model.task", f"{model.task} is not a task transformers has for {model.type}: {exc}") from exc
         # A KeyError's text is only the name: a value transformers looks up (hidden_act: bogus) and does not have.
         detail = f"it has no {exc} (an activation or other name it does not know)" if isinstance(exc, KeyError) else exc
         raise Invalid("model.config", f"transformers cannot build the model from it: {detail}") from exc
@@ -157,6 +161,8 @@ def check_epoch_steps(strategy: Any, data: DataSpec, measure: MeasureSpec, path:
     warmup = measure.warmup_steps
     if measure.max_steps is not None or not isinstance(warmup, int) or data.factory is not None:
         return  # capped by max_steps (checked above), a detected warm-up, or a data set only the factory knows
+    if strategy.parallelism is not None and strategy.parallelism.sp > 1:
+        return  # the Trainer shards the data over sequence-parallel ranks too and multiplies its steps back
     samples = data.num_samples
     if data.packing == "pack":
         from hfscale.workload.lengths import packed_rows

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +81,7 @@ from hfscale.recipes.schema import (
 )
 from hfscale.recipes.training_args import OWNED_TRAINING_ARGS, REFUSED_TRAINING_ARGS, check_training_args
 from hfscale.recipes.workload import check_script_trial, parse_workload, recipe_folder, resolve_factories
+from hfscale.recipes.yaml_text import load_yaml
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, ScriptSpec, TrialSpec
@@ -136,27 +136,9 @@ def _read_yaml(path: str | os.PathLike[str]) -> tuple[str, Any]:
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{resolved}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
-        return str(resolved), yaml.load(text, Loader=_UniqueKeyLoader)
+        return str(resolved), load_yaml(text)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{resolved}: not valid YAML: {exc}") from None
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML forbids it, and PyYAML keeps the last
-    one without a word (a second ``trials:`` block replaced the first; the sweep ran only its trials)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *defaults` may be overridden by the mapping's own keys, as YAML means it to
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:

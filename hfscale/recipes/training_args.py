@@ -84,6 +84,8 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise Invalid(join_path(path, key), f"not a transformers.TrainingArguments field{hint}")
         field_type = known[key]  # null passes: the Trainer reads some float fields' None as "off" (max_grad_norm)
+        if value is False and _takes_no(field_type):
+            value = "no"  # YAML 1.1 reads `save_strategy: no` as false; TrainingArguments wants the name
         checked = value if field_type is None or value is None else convert(field_type, value, join_path(path, key))
         out[key] = checked if float_text(value) is not None else value
     return out
@@ -100,6 +102,12 @@ def _training_args_fields() -> dict[str, Any] | None:
 
 
 _PLAIN = (int, float, bool, str, type(None))
+
+
+def _takes_no(field_type: Any) -> bool:
+    """Whether the field is one of an enum's names and ``"no"`` is one of them (``IntervalStrategy``)."""
+    members = get_args(field_type) if get_origin(field_type) in (typing.Union, types.UnionType) else (field_type,)
+    return any(get_origin(m) is Literal and "no" in get_args(m) for m in members)
 
 
 def _plain_type(tp: Any) -> Any:

@@ -72,8 +72,10 @@ def _cross_evidence(a: Summary, b: Summary) -> SweepNoise:
 
 
 FAILED_IN_B = "failed in B"
-"""The change of a trial that finished ok in A and not in B (one of its runs failed, or it has no speed): what
-``--fail-on-regression`` fails on whatever the threshold, since B measured nothing to compare."""
+"""The change of a trial that finished ok in A and failed in B (one of its runs crashed, ran out of memory, timed out
+or did not run as asked): what ``--fail-on-regression`` fails on whatever the threshold, since B measured nothing to
+compare. A trial B skipped or pruned (a search, ``--skip-predicted-oom``) did not fail: it is not tested."""
+FAILURES = frozenset({"oom", "crashed", "timeout", "not_applied"})
 
 
 def significance(a: Summary, b: Summary) -> pd.DataFrame:
@@ -112,8 +114,10 @@ def _unfinished_record(name: str, ra: pd.Series, rb: pd.Series, speed_a: float |
         return f"{side} {row['status']}" + ("" if not isinstance(reason, str) or not reason else f" ({reason})")
 
     a_ok = ra["status"] == "ok" and bool(speed_a)
-    if a_ok:
+    if a_ok and rb["status"] in FAILURES:
         change, text = FAILED_IN_B, f"B did not finish ok: {why('B', rb)}"
+    elif a_ok:
+        change, text = "not tested", f"not tested: {why('B', rb)}"
     else:
         sides = [why(side, row) for side, row in (("A", ra), ("B", rb)) if row["status"] != "ok" or side == "A"]
         change, text = "not tested", "not tested: " + "; ".join(sides)

@@ -355,8 +355,9 @@ def _found_line(result: BatchSearchResult, upper_limit: int) -> str:
 def check_batch_search(trials: Sequence[RecipeTrial], settings: SweepSettings) -> None:
     """Refuse, before anything runs, a largest-batch search that cannot do what it is asked: for a user's script
     (its data is the script's own: the recipe key ``batch`` is refused there, and ``--find-max-batch`` was taken),
-    or under a limit below a searched trial's own batch (the search would start below it, and the ``-maxbatch``
-    row would run a smaller batch than the trial).
+    or a batch axis (``batch: both`` or ``max``) under a limit below a trial's own batch (the search would start
+    below it, and the ``-maxbatch`` row would run a smaller batch than the trial; ``--find-max-batch`` alone only
+    records a largest batch, which may rightly be below a batch that runs out of memory).
 
     Raises:
         SweepError: naming the option or key.
@@ -368,7 +369,7 @@ def check_batch_search(trials: Sequence[RecipeTrial], settings: SweepSettings) -
         if trial.spec.script is not None:
             raise SweepError(f"{where}: the largest-batch search trains data hfscale builds: not with workload.script")
         own = trial.spec.strategy.per_device_batch_size
-        if settings.max_batch_limit < own:
+        if trial.batch != "fixed" and settings.max_batch_limit < own:  # a -maxbatch row smaller than the trial
             raise SweepError(
                 f"the largest-batch search's limit {settings.max_batch_limit} (sweep.max_batch_limit or "
                 f"--max-batch-limit) is below {trial.name}'s own per-device batch {own}: raise the limit to {own} "

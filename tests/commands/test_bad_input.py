@@ -234,6 +234,9 @@ TINY = {"device": "cpu", "model": {"config": {"hidden_size": 32, "num_hidden_lay
         ({"data": {"num_labels": 0}}, "data.num_labels", "expected a positive integer, got 0"),
         ({"run": {"env": {"A=B": "1"}}}, "run", r"env: 'A=B' is not an environment variable's name"),
         ({"run": {"env": {"A": "x\0y"}}}, "run", r"env\.A: a value cannot hold a NUL character"),
+        ({"model": {"type": "t5", "task": "causal_lm",
+                    "config": {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_kv": 16, "d_ff": 64}}},
+         "model.task", "causal_lm is not a task transformers has for t5"),
         # TrainingArguments takes these as written; the optimizer or the scheduler failed on them inside the trial.
         ({"training_args": {"learning_rate": "abc"}}, r"training_args\.learning_rate", "expected a number, got 'abc'"),
         ({"trials": [{"name": "a", "training_args": {"dataloader_num_workers": 1.5}}]},

@@ -351,6 +351,19 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
     assert [(t.name, t.spec.strategy.per_device_batch_size) for t in recipe.trials] == [("fp32", 4), ("bs2", 2)]
 
 
+def test_a_merge_into_a_mapping_that_itself_merges_is_not_a_repeat(tmp_path):
+    """PyYAML folds a deeper mapping's merge in place before the mapping that merges it: its merged keys then read
+    as given twice to a check made after the fold (a valid recipe refused)."""
+    rest = yaml.safe_dump({k: v for k, v in BASE.items() if k not in ("trials", "measure")}, sort_keys=False)
+    text = rest + (
+        "trials:\n  - name: a\n    measure: &long {<<: {warmup_steps: 2, max_steps: 20}, max_steps: 6}\n"
+        "measure: {<<: *long, repeats: 3}\n"
+    )
+    (tmp_path / "x.yaml").write_text(text, encoding="utf-8")
+    (trial,) = load_recipe(tmp_path / "x.yaml").trials
+    assert (trial.spec.measure.warmup_steps, trial.spec.measure.max_steps, trial.spec.measure.repeats) == (2, 6, 3)
+
+
 def test_training_args_of_the_right_type_load_as_written(tmp_path):
     """The type check of training_args takes what TrainingArguments takes: YAML's 5e-5 (a string) as a number, an
     integer where a number goes, a scheduler by name, null for clipping off (the Trainer reads it so), a list."""
@@ -358,6 +371,10 @@ def test_training_args_of_the_right_type_load_as_written(tmp_path):
              "report_to": ["none"], "disable_tqdm": True, "run_name": "x"}  # fmt: skip
     recipe = load_recipe(write(tmp_path, with_(training_args=given)))
     assert recipe.training_args == given | {"learning_rate": 5e-5}
+    # YAML 1.1 reads an unquoted `no` as false: where an enum's names hold "no", it is that name.
+    rest = yaml.safe_dump({k: v for k, v in BASE.items() if k != "training_args"})
+    (tmp_path / "no.yaml").write_text(rest + "training_args: {logging_strategy: no}\n", encoding="utf-8")
+    assert load_recipe(tmp_path / "no.yaml").training_args == {"logging_strategy": "no"}
 
 
 def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_path):

@@ -441,6 +441,14 @@ def test_compare_fails_when_a_trial_that_finished_in_a_did_not_in_b(tmp_path: Pa
     tests = significance(report.summarize_run(b), report.summarize_run(a))
     assert tests.loc["x", "change"] == "not tested" and "A crashed" in tests.loc["x", "change_text"]
     assert regressions(tests, 5) == [] and tests.loc["base", "change"] == "no significant change"
+    # A trial B did not run (a search skipped it on its estimate) did not fail: not tested, and no failure either.
+    skipped = dataclasses.replace(crashed, status="skipped", reason="predicted peak 9 GiB", repeat=0, repeats=1)
+    c = write_run(tmp_path / "c", [*_tworuns_of("base", 0.10, seed=40), skipped], ENV)
+    tests = significance(report.summarize_run(a), report.summarize_run(c))
+    assert (
+        tests.loc["x", "change"] == "not tested" and "B skipped (predicted peak 9 GiB)" in tests.loc["x", "change_text"]
+    )
+    assert regressions(tests, 5) == []
 
 
 def test_compare_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

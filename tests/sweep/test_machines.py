@@ -325,6 +325,16 @@ def test_hfscale_slurm_refuses_what_every_driver_would_refuse_before_the_job_que
         assert slurm(["--out", str(tmp_path / "job.sbatch"), *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv
         assert not (tmp_path / "job.sbatch").exists()
+    # A recipe run with the user's script (--script) is checked as the driver runs it: without hfscale's data, whose
+    # 512 samples at 16 a device on 16 processes (2 steps an epoch) would leave no step after a warm-up of 10.
+    from helpers.paths import SCRIPTS
+
+    measure = {"num_epochs": 1, "warmup_steps": 10}
+    data = {"name": "r", "device": "cuda", "defaults": {"per_device_batch_size": 16}, "measure": measure}
+    recipe = write_recipe(tmp_path, {**data, "trials": [{"name": "a"}]})
+    argv = ["--out", str(tmp_path / "job.sbatch"), str(recipe), "--nodes", "2", "--gpus-per-node", "8"]
+    assert slurm(argv) == 2 and "a warm-up of 10 leaves fewer than the two" in capsys.readouterr().err
+    assert slurm([*argv, "--", "--script", str(SCRIPTS / "hf_example.py"), "--", "--num_samples", "64"]) == 0
 
 
 def test_every_resume_hint_names_the_command_that_works_for_its_run() -> None:
