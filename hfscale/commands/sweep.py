@@ -22,7 +22,7 @@ from hfscale.launch.plan import SettingError, SweepError, SweepSettings
 from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
-from hfscale.results.run_folder import RunFolderError
+from hfscale.results.run_folder import RunFolder, RunFolderError
 from hfscale.sweep.adaptive import refuse_search_keys
 from hfscale.sweep.batch import check_batch_search
 from hfscale.sweep.batch_axis import batch_settings
@@ -286,6 +286,8 @@ def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchIn
         return 2
     else:
         recipe = load_recipe(args.recipe)
+        if args.run_dir is not None:
+            RunFolder.check_new(args.run_dir)  # as the sweep would, before anything runs
         refuse_search_keys(recipe.sweep, settings)  # as the sweep would (open_sweep), before its lines
         counts = {"num_processes": settings.num_processes, "num_machines": settings.num_machines}
         check_batch_search(recipe.resolve(**counts), batch_settings(recipe.sweep, settings))

@@ -355,8 +355,9 @@ class SweepSettings:
             if value == recorded:
                 continue
             if meta.get("resume") == "keep":
+                shown = "none (the recipe's own, as it started)" if recorded is None else recorded
                 raise SweepError(
-                    f"{meta['flag']} {value} differs from the recorded {recorded}: a resumed run keeps the recorded "
+                    f"{meta['flag']} {value} differs from the recorded {shown}: a resumed run keeps the recorded "
                     f"{meta['flag']} so that its trials stay the same (omit it, or start a new run)"
                 )
             logger.info("%s: %r replaces the recorded %r for the runs still to do", meta["flag"], value, recorded)

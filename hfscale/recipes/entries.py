@@ -236,6 +236,9 @@ def expand_matrix(matrix: Any) -> list[TrialEntry]:
         if not isinstance(values, list) or not values:
             raise Invalid(path, f"expected a non-empty list of values, got {show_value(values)}")
         tp = _strategy_field_type(key, path)
+        over = next((other for other, _ in axes if key.startswith(other + ".") or other.startswith(key + ".")), None)
+        if over is not None:  # one axis would set what the other varies: a trial named for both, running one
+            raise Invalid(path, f"overlaps the axis {over!r}: vary a section or its fields, not both")
         for i, value in enumerate(values):
             value_path = join_path(path, i)
             if key in _NESTED and isinstance(value, dict):

@@ -37,10 +37,15 @@ def parse_workload(data: dict[str, Any], source: str) -> ScriptSpec | None:
     reject_unknown(raw, WORKLOAD_KEYS, "workload")
     if raw.get("script") is None:
         raise Invalid("workload.script", "missing: the path of your training script (relative to the recipe's folder)")
-    written = Path(convert(str, raw["script"], "workload.script"))
+    text = convert(str, raw["script"], "workload.script")
+    if not text.strip():
+        raise Invalid("workload.script", "empty: the path of your training script (relative to the recipe's folder)")
+    written = Path(text)
     args = convert(list[str], given(raw, "args", []), "workload.args")
     folder = recipe_folder(source)
     path = written if written.is_absolute() else folder / written
+    if path.is_dir():
+        raise Invalid("workload.script", f"{path} is a folder: expected your training script's file")
     if not path.is_file():
         raise Invalid("workload.script", f"{path} does not exist (a relative path is read from the recipe's folder)")
     for key in ("model", "data"):

@@ -38,13 +38,14 @@ import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from hfscale.core.files import check_writable, file_in_the_way, utc_now, write_atomic
 from hfscale.records.row import SCHEMA_VERSION, TrialResult, row_from_json, to_json_text
+from hfscale.records.scan import BadLine, RowScan
 from hfscale.records.search import SearchSummary
 
 logger = logging.getLogger(__name__)
@@ -90,29 +91,6 @@ class RunFolderWriteError(RunFolderError, OSError):
         return str(self.args[1])
 
 
-@dataclass(frozen=True, kw_only=True)
-class BadLine:
-    """A line of ``results.jsonl`` that is not a valid row (a disk error, a hand edit, a torn write)."""
-
-    number: int
-    """1-based line number in ``results.jsonl``."""
-    text: str
-    """The line as read (without its newline)."""
-    error: str
-    """Why it is not a row."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RowScan:
-    """What ``results.jsonl`` holds: the rows (the latest of each (trial, repeat), in first-written order) and
-    the lines that are not rows."""
-
-    rows: list[TrialResult] = field(default_factory=list)
-    bad_lines: list[BadLine] = field(default_factory=list)
-    torn_tail: bool = False
-    """The last line has no newline: a sweep was killed while writing it (it is not counted as a row)."""
-
-
 @dataclass(frozen=True)
 class RunFolder:
     """One run folder (it need not exist yet): its paths, its lock, reading and appending its rows, its environment
@@ -148,6 +126,16 @@ class RunFolder:
             return cls(path)
         raise RunFolderError(f"cannot create a run folder under {parent}: {base}-N all exist")
 
+    @staticmethod
+    def check_new(path: str | os.PathLike[str]) -> None:
+        """Raise what :meth:`create_at` would (a file in the way, a folder that exists), creating nothing: a dry
+        run's check."""
+        path = Path(path)
+        _refuse_what_is_in_the_way(path.parent)
+        if os.path.lexists(path):
+            _refuse_what_is_in_the_way(path)
+            raise RunFolderError(f"{path} exists; continue it with --resume {path}, or choose another")
+
     @classmethod
     def create_at(cls, path: str | os.PathLike[str]) -> RunFolder:
         """Exactly this new folder (its parent is created).
@@ -157,13 +145,13 @@ class RunFolder:
             RunFolderWriteError: when it cannot be created (read-only, no space); the message names the path.
         """
         path = Path(path)
-        _refuse_what_is_in_the_way(path.parent)
+        cls.check_new(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
-        except FileExistsError:
-            _refuse_what_is_in_the_way(path)
-            raise RunFolderError(f"{path} exists; continue it with --resume {path}, or choose another") from None
+        except FileExistsError:  # made since the check, by another sweep
+            cls.check_new(path)
+            raise
         except OSError as exc:
             raise RunFolderWriteError(path, exc) from exc
         return cls(path)

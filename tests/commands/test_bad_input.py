@@ -113,6 +113,11 @@ def test_an_output_path_that_is_a_file_is_refused_with_its_argument(a_file, a_ru
         )
     assert sweep(["cpu_small", "--only", "fp32", "--run-dir", str(a_file)]) == 2
     assert f"{a_file} is not a folder (a file, or a broken link)" in capsys.readouterr().err
+    # The dry run refuses what the sweep would: a file in the way, and a folder that exists.
+    assert sweep(["cpu_small", "--dry-run", "--run-dir", str(a_file)]) == 2
+    assert f"{a_file} is not a folder (a file, or a broken link)" in capsys.readouterr().err
+    assert sweep(["cpu_small", "--dry-run", "--run-dir", str(a_run)]) == 2
+    assert f"{a_run} exists; continue it with --resume {a_run}, or choose another" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("text", "says"), [("[1]", "expected a JSON object, got list"), ("{bad", "cannot be read")])

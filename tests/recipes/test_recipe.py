@@ -280,6 +280,11 @@ def test_duplicate_names_are_rejected_explicit_and_from_the_matrix(tmp_path):
     said = r"duplicate trial name 'lora-r4' \(also matrix\[lora-r4\]\); a matrix names its trials from their values"
     with pytest.raises(RecipeError, match=said + r".*list them under trials: with names"):
         load_recipe(write(tmp_path, alike))
+    # An axis that sets what another varies made a trial named for both (zero2-zero3) that ran one of them.
+    overlap = with_(trials=[], defaults={"num_processes": 2},
+                    matrix={"deepspeed": [{"zero_stage": 2}], "deepspeed.zero_stage": [3]})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"matrix\.deepspeed\.zero_stage: overlaps the axis 'deepspeed'"):
+        load_recipe(write(tmp_path, overlap))
     with pytest.raises(RecipeError, match=r"matrix: expected a mapping of strategy field -> list of values, got an "
                                           r"empty one"):  # fmt: skip
         load_recipe(write(tmp_path, with_(matrix={})))

@@ -112,6 +112,10 @@ def test_a_script_recipe_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     data = _recipe(tmp_path)
     with pytest.raises(RecipeError, match=r"workload\.script: .*not_there\.py.* does not exist"):
         load_recipe(write_recipe(tmp_path, data | {"workload": {"script": "not_there.py"}}))
+    with pytest.raises(RecipeError, match=r"workload\.script: .* is a folder: expected your training script's file"):
+        load_recipe(write_recipe(tmp_path, data | {"workload": {"script": str(tmp_path)}}))
+    with pytest.raises(RecipeError, match=r"workload\.script: empty: the path of your training script"):
+        load_recipe(write_recipe(tmp_path, data | {"workload": {"script": ""}}))
     with pytest.raises(RecipeError, match=r"model: the script builds its own model"):
         load_recipe(write_recipe(tmp_path, data | {"model": {"type": "bert"}}))
     bad = data | {"trials": [{"name": "a", "lora": {"rank": 4}}]}

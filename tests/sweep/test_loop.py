@@ -301,7 +301,9 @@ def test_resume_refuses_other_process_counts(tmp_path, capsys):
     recipe, run = write_recipe(tmp_path, SKIPPED_RECIPE), tmp_path / "run"
     assert main([str(recipe), "--run-dir", str(run), *NOTHING_FITS]) == NOTHING_RAN_EXIT
     assert main(["--resume", str(run), "--num-processes", "2"]) == 2
-    assert "--num-processes 2 differs from the recorded None" in capsys.readouterr().err
+    assert "--num-processes 2 differs from the recorded none (the recipe's own, as it started)" in (
+        capsys.readouterr().err
+    )
 
 
 # -- a sweep that ran nothing, and the last line (issue 28) --------------------------------------------------------
