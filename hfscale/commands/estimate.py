@@ -151,6 +151,21 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
     return [TrialSpec(name=s.name, strategy=s, model=model, data=data) for s in strategies]
 
 
+def _check_seq_len(spec: TrialSpec) -> None:
+    """Refuse a ``--seq-len`` longer than the model has learned positions for, as a recipe's ``data.seq_len`` is
+    refused (an estimate of a model that cannot run that length answers nothing)."""
+    from hfscale.core.validation import Invalid
+    from hfscale.recipes.checks import check_positions
+    from hfscale.workload.model import build_config
+
+    if spec.model.factory is not None:
+        return
+    try:
+        check_positions(build_config(spec.model, spec.data), spec.data)
+    except Invalid as exc:
+        raise ValueError(f"--seq-len: {exc.message}") from None
+
+
 def _check_model_type(target: str) -> None:
     """Refuse a TARGET that is neither a recipe nor a model type transformers knows, with the closest of each
     (transformers' own message lists its 400-odd types, 12 kB, and never says that a recipe was looked for)."""
@@ -234,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         budget = parse_memory_size(args.memory_budget) if args.memory_budget else None
         specs = _specs_from_args(args)
+        if args.seq_len is not None and specs:
+            _check_seq_len(specs[0])
         rows = []
         for spec in specs:
             est = estimate_memory(spec)

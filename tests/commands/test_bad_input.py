@@ -158,6 +158,13 @@ def test_estimate_names_a_config_key_the_model_lacks_and_a_value_it_cannot_build
     assert estimate(["cpu_smal"]) == 2
     err = capsys.readouterr().err
     assert "'cpu_smal' is neither a recipe" in err and "did you mean 'cpu_small'" in err and len(err) < 400
+    # A length the model has no positions for: estimated before, as if it could run.
+    assert estimate(["bert", "--seq-len", "100000"]) == 2
+    assert "--seq-len: expected at most 512, the model's positions (model.config.max_position_embeddings)" in (
+        capsys.readouterr().err
+    )
+    assert estimate(["cpu_small", "--seq-len", "4096"]) == 2
+    assert "--seq-len: expected at most 512" in capsys.readouterr().err
 
 
 def test_lora_options_without_a_rank_and_ports_out_of_range_are_refused(tmp_path, capsys):
