@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hfscale.core.units import GIB, parse_memory_size
+from hfscale.core.validation import Invalid
 from hfscale.estimate.fit import default_reserve_bytes, predicted_to_fit
 from hfscale.estimate.peak import estimate_memory
 from hfscale.records.estimate import MemoryEstimate
@@ -135,13 +136,12 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
                 model = dataclasses.replace(model, config={**model.config, **overrides}, task=args.task or model.task)
             data = spec.data if args.seq_len is None else dataclasses.replace(spec.data, seq_len=args.seq_len)
             changed.append(dataclasses.replace(spec, strategy=strategy, model=model, data=data))
-        for spec in changed[:1] if overrides else ():
-            _check_config_keys(spec.model)
+        for spec in changed[:1] if overrides or args.task or args.seq_len is not None else ():
+            _check_as_a_recipe(spec.model, spec.data, target)
         return changed
     model = ModelSpec(type=target, task=args.task or "classification", config=overrides)
-    _check_model_type(target)
-    _check_config_keys(model)
     data = DataSpec(seq_len=args.seq_len or DataSpec().seq_len)
+    _check_as_a_recipe(model, data, target)
     strategies = default_strategies(
         num_gpus=args.num_gpus or 1,
         num_machines=args.num_machines or 1,
@@ -151,55 +151,38 @@ def _specs_from_args(args: argparse.Namespace) -> list[TrialSpec]:
     return [TrialSpec(name=s.name, strategy=s, model=model, data=data) for s in strategies]
 
 
-def _check_seq_len(spec: TrialSpec) -> None:
-    """Refuse a ``--seq-len`` longer than the model has learned positions for, as a recipe's ``data.seq_len`` is
-    refused (an estimate of a model that cannot run that length answers nothing)."""
-    from hfscale.core.validation import Invalid
-    from hfscale.recipes.checks import check_positions
-    from hfscale.workload.model import build_config
+def _check_as_a_recipe(model: ModelSpec, data: DataSpec, target: str) -> None:
+    """Refuse the model and length the command line describes as a recipe's ``model`` and ``data`` are refused
+    (:func:`hfscale.recipes.checks.check_model`: unknown type or config key, a size that is not a positive integer,
+    a length beyond the learned positions, a model transformers cannot build), named by the option that set it.
+    The estimate reads shapes, not token ids, so the ids are checked at the smallest range every vocabulary holds."""
+    from hfscale.recipes.checks import check_model
 
-    if spec.model.factory is not None:
-        return
     try:
-        check_positions(build_config(spec.model, spec.data), spec.data)
+        check_model(model, dataclasses.replace(data, token_low=0, token_high=1))
     except Invalid as exc:
-        raise ValueError(f"--seq-len: {exc.message}") from None
+        raise ValueError(_as_option(exc, target)) from None
 
 
-def _check_model_type(target: str) -> None:
-    """Refuse a TARGET that is neither a recipe nor a model type transformers knows, with the closest of each
-    (transformers' own message lists its 400-odd types, 12 kB, and never says that a recipe was looked for)."""
-    import difflib
+def _as_option(exc: Invalid, target: str) -> str:
+    """A recipe check's message, named by the command line's option rather than the recipe's key."""
+    if exc.path == "model.type":  # transformers' own message lists its 400-odd types and never says recipe
+        import difflib
 
-    from transformers import CONFIG_MAPPING
+        from transformers import CONFIG_MAPPING
 
-    from hfscale.recipes.catalog import recipe_names
+        from hfscale.recipes.catalog import recipe_names
 
-    types = sorted(CONFIG_MAPPING.keys())
-    if target in types:
-        return
-    close = difflib.get_close_matches(target, [*recipe_names(), *types], n=3)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(
-        f"{target!r} is neither a recipe (a .yaml file, or a shipped recipe's name: 'hfscale recipes' lists them) "
-        f"nor a transformers model type (bert, gpt2, llama, ...){hint}"
-    )
-
-
-def _check_config_keys(model: ModelSpec) -> None:
-    """Refuse a ``--config`` key the model's config class does not have, or a size that is not a positive integer,
-    as a recipe's are refused (transformers would keep an unknown key as an unused attribute, and the estimate
-    would silently be of the default model)."""
-    from hfscale.core.validation import Invalid
-    from hfscale.recipes.checks import check_config_keys, check_config_sizes
-
-    if model.pretrained or model.factory is not None:
-        return  # the config is the hub's or the factory's own: its keys are not the model type's (as a recipe)
-    try:
-        check_config_sizes(model)
-        check_config_keys(model)
-    except Invalid as exc:
-        raise ValueError(f"--config {exc.path.removeprefix('model.config.')}: {exc.message}") from None
+        close = difflib.get_close_matches(target, [*recipe_names(), *sorted(CONFIG_MAPPING.keys())], n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        return (
+            f"{target!r} is neither a recipe (a .yaml file, or a shipped recipe's name: 'hfscale recipes' lists them) "
+            f"nor a transformers model type (bert, gpt2, llama, ...){hint}"
+        )
+    options = {"model.config": "--config", "model.task": "--task", "data.seq_len": "--seq-len"}
+    key = exc.path.removeprefix("model.config.")
+    option = options.get(exc.path) or (f"--config {key}" if key != exc.path else exc.path)
+    return f"{option}: {exc.message}"
 
 
 def _gib_cell(value: float) -> str:
@@ -249,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         budget = parse_memory_size(args.memory_budget) if args.memory_budget else None
         specs = _specs_from_args(args)
-        if args.seq_len is not None and specs:
-            _check_seq_len(specs[0])
         rows = []
         for spec in specs:
             est = estimate_memory(spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,10 +13,12 @@ from pathlib import Path
 from hfscale.commands.sweep import build_parser as sweep_parser
 from hfscale.commands.sweep import driver_port, settings_from_args
 from hfscale.core.files import os_error_text
-from hfscale.launch.plan import SettingError, SweepSettings
-from hfscale.recipes.recipe import load_recipe
+from hfscale.launch.group import LaunchInfo
+from hfscale.launch.plan import SettingError, SweepError, SweepSettings
 from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
+from hfscale.results.run_folder import RunFolderError
+from hfscale.sweep.session import open_sweep
 from hfscale.sweep.slurm import SlurmJob
 
 
@@ -70,17 +73,22 @@ def what_the_drivers_refuse(job: SlurmJob) -> str | None:
     if unknown:
         return f"the options after -- are not hfscale sweep's: {shlex.join(unknown)} (hfscale sweep --help lists them)"
     try:
-        settings_from_args(args)
+        settings = settings_from_args(args)
     except SettingError as exc:
         flag = SweepSettings.__dataclass_fields__[exc.setting].metadata["flag"]
         return f"the options after --: {flag} {exc.problem}"
-    if job.resume:
-        return None if Path(job.recipe).is_dir() else f"{job.recipe}: not a run folder here (--resume takes one)"
+    derived = None
     try:
-        recipe = recipe_with_script(job.recipe, args.script, script_args) if args.script else job.recipe
-        load_recipe(recipe).resolve(num_processes=job.num_processes, num_machines=job.nodes)
-    except (RecipeError, OSError) as exc:
+        if args.script and not job.resume:
+            derived = recipe_with_script(job.recipe, args.script, script_args)
+        # The drivers' own start (it writes nothing): every check a node makes before its first trial.
+        recipe, resume = (None, job.recipe) if job.resume else (derived or job.recipe, None)
+        open_sweep(recipe, resume=resume, settings=settings, launch=LaunchInfo.from_env())
+    except (RecipeError, SweepError, RunFolderError, OSError) as exc:
         return f"{exc} (checked here before the job waits in the queue; every node reads the same recipe)"
+    finally:
+        if derived is not None:
+            shutil.rmtree(derived.parent, ignore_errors=True)
     return None
 
 

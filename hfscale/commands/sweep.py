@@ -16,16 +16,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from hfscale.launch.device_lock import check_lock_environment
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SettingError, SweepError, SweepSettings
-from hfscale.recipes.recipe import load_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.recipes.workload import recipe_with_script
 from hfscale.results.run_folder import RunFolder, RunFolderError
-from hfscale.sweep.adaptive import refuse_search_keys
-from hfscale.sweep.batch import check_batch_search
-from hfscale.sweep.batch_axis import batch_settings
 from hfscale.sweep.dry_run import dry_run_lines
 from hfscale.sweep.loop import DEFAULT_OUT_DIR, run_sweep
 from hfscale.sweep.outcome import (
@@ -268,34 +263,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(args: argparse.Namespace, settings: SweepSettings, launch: LaunchInfo) -> int:
-    """``--dry-run``: print the trials and their launch commands. With ``--resume``, what that run would go on
-    with: its recipe's copy, its recorded settings (with what the command line changes) and its recorded noise
-    floor.
+    """``--dry-run``: print the trials and their launch commands, after what the sweep refuses at its start
+    (:func:`hfscale.sweep.session.open_sweep`). With ``--resume``, what that run would go on with: its recipe's
+    copy, its recorded settings (with what the command line changes) and its recorded noise floor.
 
     Raises:
         RecipeError: for an invalid recipe.
         SweepError: for a run folder that cannot be resumed.
     """
-    if args.resume is not None:
-        from hfscale.sweep.session import open_sweep
-
-        start = open_sweep(args.recipe, resume=args.resume, settings=settings, launch=launch)
-        lines = dry_run_lines(start.recipe, start.settings, launch, noise_floor=start.noise_floor)
-    elif args.recipe is None:
+    if args.resume is None and args.recipe is None:
         print("hfscale sweep: error: give a RECIPE", file=sys.stderr)
         return 2
-    else:
-        recipe = load_recipe(args.recipe)
-        if args.run_dir is not None:
-            RunFolder.check_new(args.run_dir)  # as the sweep would, before anything runs
-        refuse_search_keys(recipe.sweep, settings)  # as the sweep would (open_sweep), before its lines
-        counts = {"num_processes": settings.num_processes, "num_machines": settings.num_machines}
-        check_batch_search(recipe.resolve(**counts), batch_settings(recipe.sweep, settings))
-        try:
-            check_lock_environment()
-        except ValueError as exc:
-            raise SweepError(str(exc)) from None
-        lines = dry_run_lines(recipe, settings, launch)
+    from hfscale.sweep.session import open_sweep
+
+    # The sweep's own start, which writes nothing: every check it makes before the first trial, made here too.
+    start = open_sweep(args.recipe, resume=args.resume, settings=settings, launch=launch)
+    if args.resume is None and args.run_dir is not None:
+        RunFolder.check_new(args.run_dir)  # what RunFolder.create_at refuses when the sweep makes the folder
+    lines = dry_run_lines(start.recipe, start.settings, launch, noise_floor=start.noise_floor)
     for line in lines:
         print(line)
     return 0

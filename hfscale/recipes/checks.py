@@ -1,7 +1,7 @@
-"""What a recipe may say beyond its types: a run folder's name, a model transformers knows with a vocabulary the data
-fits, a batch the data set can fill, measurement counts in range, and which ``TrainingArguments`` keywords a recipe
-may set (the strategy and the runner own the others). Every check raises :class:`hfscale.core.validation.Invalid` at the
-dotted key it is about.
+"""What a recipe may say beyond its types: a run folder's name, a model transformers can build with a vocabulary the
+data fits, factories that import and take their arguments, a batch the data set can fill, measurement counts in range
+and a warm-up that leaves steps to measure (its ``training_args``: :mod:`hfscale.recipes.training_args`). Every check
+raises :class:`hfscale.core.validation.Invalid` at the dotted key it is about.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Recipes: one YAML file -> a validated list of trials for a sweep.
 
 A recipe names what is trained (the model and the dummy data), how it is measured, and the strategies to compare.
-It is loaded with ``yaml.safe_load`` and walked against the dataclass fields it fills; an unknown key, a value of
-the wrong type or a choice out of range fails before any process starts, with the file and the dotted key path::
+It is read by :func:`hfscale.recipes.yaml_text.read_recipe_yaml` (a key given twice refused) and walked against the
+dataclass fields it fills; an unknown key, a value of the wrong type or a choice out of range fails before any
+process starts, with the file and the dotted key path::
 
     recipes/x.yaml: trials[2].deepspeed.zero_stage: expected one of 0, 1, 2, 3, got 4
 
@@ -44,11 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hfscale.core.units import noise_floor_spec
 from hfscale.core.validation import Invalid, build, convert, field_types, given, join_path, reject_unknown, show_value
-from hfscale.recipes.catalog import recipe_names, resolve_recipe, shipped_recipe
+from hfscale.recipes.catalog import recipe_names, shipped_recipe
 from hfscale.recipes.checks import (
     check_batch_fits_data,
     check_data,
@@ -81,7 +80,7 @@ from hfscale.recipes.schema import (
 )
 from hfscale.recipes.training_args import OWNED_TRAINING_ARGS, REFUSED_TRAINING_ARGS, check_training_args
 from hfscale.recipes.workload import check_script_trial, parse_workload, recipe_folder, resolve_factories
-from hfscale.recipes.yaml_text import load_yaml
+from hfscale.recipes.yaml_text import read_recipe_yaml
 from hfscale.records.batch import MAX_BATCH_SUFFIX
 from hfscale.strategy import Device, Strategy
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, ScriptSpec, TrialSpec
@@ -121,26 +120,6 @@ def parse_recipe(data: Any, *, source: str = "<recipe>", default_name: str = "re
         raise _located(source, exc) from None
 
 
-def _read_yaml(path: str | os.PathLike[str]) -> tuple[str, Any]:
-    """A recipe file's path (a shipped recipe's name resolved) and its YAML document.
-
-    Raises:
-        FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
-        RecipeError: when it is a folder, not UTF-8 text, or not valid YAML.
-    """
-    resolved = resolve_recipe(path)
-    if resolved.is_dir():
-        raise RecipeError(f"{resolved}: is a folder, not a recipe file")
-    try:
-        text = resolved.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"{resolved}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-    try:
-        return str(resolved), load_yaml(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{resolved}: not valid YAML: {exc}") from None
-
-
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     """Load and validate a recipe file, or a shipped recipe by name (``cpu_small``; ``hfscale recipes`` lists them).
 
@@ -148,7 +127,7 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
         RecipeError: when it is not valid YAML or not a valid recipe; the message names the file and key path.
     """
-    source, data = _read_yaml(path)
+    source, data = read_recipe_yaml(path)
     return parse_recipe(data, source=source, default_name=Path(source).stem)
 
 
@@ -163,7 +142,7 @@ def read_trial_names(path: str | os.PathLike[str]) -> list[str]:
         FileNotFoundError: as :func:`load_recipe`.
         RecipeError: when the file is not YAML, or its trials or matrix cannot be read; names the file and key path.
     """
-    source, data = _read_yaml(path)
+    source, data = read_recipe_yaml(path)
     return _trial_names(source, data)
 
 
@@ -378,7 +357,7 @@ def shipped_recipes() -> list[ShippedRecipe]:
     out = []
     for name in recipe_names():
         path = shipped_recipe(name)
-        source, data = _read_yaml(path)
+        source, data = read_recipe_yaml(path)
         trial_names = _trial_names(source, data)
         try:
             description = convert(str, data.get("description", ""), "description")

@@ -75,8 +75,6 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
                 f"set by {OWNED_TRAINING_ARGS[key]}, not by training_args (it would be overridden)",
             )
     known = _training_args_fields()
-    if known is None:
-        return dict(training_args)
     out = {}
     for key, value in training_args.items():
         if key not in known:
@@ -91,13 +89,11 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
     return out
 
 
-def _training_args_fields() -> dict[str, Any] | None:
+def _training_args_fields() -> dict[str, Any]:
     """``TrainingArguments``' field names, each with the type its value is checked against (None: not checked here,
-    as a mapping or a list is), or None when transformers is not installed (the trial then checks them)."""
-    try:
-        from transformers import TrainingArguments
-    except ImportError:
-        return None
+    as a mapping or a list is)."""
+    from transformers import TrainingArguments
+
     return {f.name: _plain_type(f.type) for f in dataclasses.fields(TrainingArguments) if f.init}
 
 

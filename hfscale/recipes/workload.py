@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 
 from hfscale.core.validation import Invalid, convert, given, join_path, reject_unknown, show_value
-from hfscale.recipes.catalog import resolve_recipe
 from hfscale.recipes.schema import RecipeError
-from hfscale.recipes.yaml_text import load_yaml
+from hfscale.recipes.yaml_text import read_recipe_yaml
 from hfscale.workload.factory import resolve_reference
 from hfscale.workload.spec import ModelSpec, ScriptSpec
 
@@ -80,11 +79,8 @@ def recipe_with_script(recipe: str | os.PathLike[str], script: str, args: list[s
     Raises:
         RecipeError: when the recipe is not a YAML mapping or the script does not exist.
     """
-    source = resolve_recipe(recipe)
-    try:
-        data = load_yaml(source.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{source}: not valid YAML: {exc}") from None
+    path, data = read_recipe_yaml(recipe)
+    source = Path(path)
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: expected a mapping at the top level")
     if not Path(script).is_file():

@@ -1,11 +1,36 @@
-"""A recipe's YAML, read safely and strictly: PyYAML's safe loader, refusing a key given twice in one mapping."""
+"""A recipe's YAML, read safely and strictly: PyYAML's safe loader, refusing a key given twice in one mapping;
+every reader of a recipe file reads it here."""
 
 from __future__ import annotations
 
+import os
 import typing
 from typing import Any
 
 import yaml
+
+from hfscale.recipes.catalog import resolve_recipe
+from hfscale.recipes.schema import RecipeError
+
+
+def read_recipe_yaml(path: str | os.PathLike[str]) -> tuple[str, Any]:
+    """A recipe file's path (a shipped recipe's name resolved) and its YAML document.
+
+    Raises:
+        FileNotFoundError: when it is neither a file nor a shipped recipe's name; the message lists the names.
+        RecipeError: when it is a folder, not UTF-8 text, or not valid YAML.
+    """
+    resolved = resolve_recipe(path)
+    if resolved.is_dir():
+        raise RecipeError(f"{resolved}: is a folder, not a recipe file")
+    try:
+        text = resolved.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{resolved}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        return str(resolved), load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{resolved}: not valid YAML: {exc}") from None
 
 
 def load_yaml(text: str) -> Any:
@@ -46,4 +71,4 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
-__all__ = ["load_yaml"]
+__all__ = ["load_yaml", "read_recipe_yaml"]

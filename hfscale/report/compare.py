@@ -119,7 +119,7 @@ def _unfinished_record(name: str, ra: pd.Series, rb: pd.Series, speed_a: float |
     elif a_ok:
         change, text = "not tested", f"not tested: {why('B', rb)}"
     else:
-        sides = [why(side, row) for side, row in (("A", ra), ("B", rb)) if row["status"] != "ok" or side == "A"]
+        sides = [why("A", ra)] + ([why("B", rb)] if rb["status"] != "ok" else [])
         change, text = "not tested", "not tested: " + "; ".join(sides)
     return {"trial": name, "time_ratio": None, "time_ratio_low": None, "time_ratio_high": None, "change_pct": None,
             "change": change, "change_text": text}  # fmt: skip

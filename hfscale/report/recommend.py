@@ -351,13 +351,11 @@ class _Pool:
 def _pool(frame: pd.DataFrame) -> _Pool:
     ok = frame[frame["status"] == "ok"]
     measured = ok["samples_per_s"].notna() & ok["peak_gib"].notna()
-    frugal = ok[measured & ~ok["parity_flagged"].fillna(False).astype(bool)]
-    if "pruned" in ok:  # an adaptive search found them slower than its leader beyond the noise
-        ok = ok[ok["pruned"].isna()]
-    measured = ok["samples_per_s"].notna() & ok["peak_gib"].notna()
-    unmeasured, ok = ok[~measured], ok[measured]
     flagged_mask = ok["parity_flagged"].fillna(False).astype(bool)
-    flagged, candidates = ok[flagged_mask], ok[~flagged_mask]
+    frugal = ok[measured & ~flagged_mask]  # pruned or not: a search prunes on speed
+    kept = ok["pruned"].isna() if "pruned" in ok else measured | True  # an adaptive search found them slower
+    unmeasured, flagged = ok[kept & ~measured], ok[kept & measured & flagged_mask]
+    candidates = frugal[kept[frugal.index]]
     if "unstable" not in candidates:
         return _Pool(
             candidates=candidates, steady=candidates, unstable=candidates.iloc[0:0], flagged=flagged,

@@ -150,8 +150,7 @@ class RunFolder:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
         except FileExistsError:  # made since the check, by another sweep
-            cls.check_new(path)
-            raise
+            raise RunFolderError(f"{path} exists; continue it with --resume {path}, or choose another") from None
         except OSError as exc:
             raise RunFolderWriteError(path, exc) from exc
         return cls(path)

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from hfscale.core.validation import join_path
 from hfscale.launch.settings import SweepError
 from hfscale.records.batch import (
     MAX_BATCH_SUFFIX,
@@ -365,9 +364,9 @@ def check_batch_search(trials: Sequence[RecipeTrial], settings: SweepSettings) -
     for trial in trials:
         if not searched(trial, settings):
             continue
-        where = "--find-max-batch" if settings.find_max_batch else join_path(trial.source, "batch")
-        if trial.spec.script is not None:
-            raise SweepError(f"{where}: the largest-batch search trains data hfscale builds: not with workload.script")
+        if trial.spec.script is not None:  # a recipe's batch axis is refused at load (check_script_trial)
+            raise SweepError("--find-max-batch: the largest-batch search trains data hfscale builds: not with "
+                             "workload.script")  # fmt: skip
         own = trial.spec.strategy.per_device_batch_size
         if trial.batch != "fixed" and settings.max_batch_limit < own:  # a -maxbatch row smaller than the trial
             raise SweepError(

@@ -13,7 +13,7 @@ from hfscale.recipes.schema import Recipe
 from hfscale.records.search import NoiseFloor
 from hfscale.results.environment import gpu_info
 from hfscale.results.run_folder import RunFolder
-from hfscale.sweep.adaptive import check_adaptive, noise_floor_of, question_of, search_settings
+from hfscale.sweep.adaptive import noise_floor_of, question_of
 from hfscale.sweep.skip import DEFAULT_SKIP_MARGIN, skip_by_estimate
 
 
@@ -26,18 +26,16 @@ def dry_run_lines(
     python: str = sys.executable,
 ) -> list[str]:
     """The expanded trials, each one's predicted peak memory and the command each would run, without running
-    anything (configs go to a temporary folder, shown as ``RUN/trials/NAME``). ``noise_floor``: a resumed run's
-    recorded floor (else the settings' is read).
+    anything (configs go to a temporary folder, shown as ``RUN/trials/NAME``), for the recipe and settings of a
+    sweep's start (:func:`hfscale.sweep.session.open_sweep`, which has refused what the sweep refuses).
+    ``noise_floor``: the floor that start read (else the settings' is read).
 
     Raises:
-        SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget), and for what an adaptive
-            search cannot do, as the sweep itself refuses it (:func:`check_adaptive`).
+        SweepError: as :func:`estimate_runs` (``--skip-predicted-oom`` without a budget).
     """
-    settings = search_settings(recipe.sweep, settings)
     trials = recipe.resolve(
         num_processes=settings.num_processes, num_machines=settings.num_machines, repeats=settings.repeats
     )
-    check_adaptive(trials, settings, num_machines=max(settings.num_machines or 1, launch.num_machines))  # as a sweep
     gpus = gpu_info(python=python)
     runs = plan_runs(
         trials, gpu_count=int(gpus.get("gpu_count") or 0), num_machines=settings.num_machines or 1, only=settings.only

@@ -48,7 +48,7 @@ def load_callable(reference: str) -> Callable[..., Any]:
     where, name = split_reference(reference)
     try:
         module = _load_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
-    except Exception as exc:  # the user's module runs at import: whatever it raises, it did not import
+    except (Exception, SystemExit) as exc:  # the user's module runs at import (argparse in it exits): it did not
         raise ValueError(f"{reference!r}: cannot import {where} ({type(exc).__name__}: {exc})") from exc
     found = getattr(module, name, None)
     if not callable(found):

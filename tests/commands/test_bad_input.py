@@ -153,7 +153,7 @@ def test_estimate_names_a_config_key_the_model_lacks_and_a_value_it_cannot_build
     assert estimate(["bert", "--config", "hidden_size=0"]) == 2
     assert "--config hidden_size: expected a positive integer, got 0" in capsys.readouterr().err
     assert estimate(["gpt2", "--config", "resid_pdrop=x"]) == 2  # a value of the wrong type, refused by transformers
-    assert "cannot build the model from its config (check --config)" in capsys.readouterr().err
+    assert "--config: Validation error for field 'resid_pdrop'" in capsys.readouterr().err
     # A mistyped recipe name was taken for a model type: transformers' 12 kB list of types, no word of recipes.
     assert estimate(["cpu_smal"]) == 2
     err = capsys.readouterr().err
@@ -314,14 +314,20 @@ def test_a_largest_batch_search_it_cannot_run_is_refused_before_the_sweep(tmp_pa
 
 
 def test_estimate_leaves_a_pretrained_or_factory_models_config_keys_alone():
-    """As the recipe loader: a hub model's or a factory's config is its own, not the model type's."""
-    from hfscale.commands.estimate import _check_config_keys
-    from hfscale.workload.spec import ModelSpec
+    """As the recipe loader (the same check): a hub model's or a factory's config is its own, not the model type's;
+    a factory's keys are its function's keyword arguments."""
+    from helpers.paths import SCRIPTS
 
-    _check_config_keys(ModelSpec(type="llama", pretrained="org/model", config={"num_key_value_heads": 2}))
-    _check_config_keys(ModelSpec(type="bert", factory="user_factories:model", config={"num_layers": 4}))
+    from hfscale.commands.estimate import _check_as_a_recipe
+    from hfscale.workload.spec import DataSpec, ModelSpec
+
+    def check(model: ModelSpec) -> None:
+        _check_as_a_recipe(model, DataSpec(), model.type)
+
+    check(ModelSpec(type="llama", pretrained="org/model", config={"num_key_value_heads": 2}))  # offline: unread
+    check(ModelSpec(type="bert", factory=f"{SCRIPTS / 'user_factories.py'}:build_model", config={"num_layers": 4}))
     with pytest.raises(ValueError, match="--config num_layers: BertConfig has no key"):
-        _check_config_keys(ModelSpec(type="bert", config={"num_layers": 4}))
+        check(ModelSpec(type="bert", config={"num_layers": 4}))
 
 
 def test_a_dry_run_checks_the_device_lock_variables_and_a_resume_keeps_its_recipes_keys(tmp_path, monkeypatch,

@@ -52,7 +52,7 @@ def test_cli_reports_errors(capsys):
         (["bert", "--config", "hidden_size"], "argument --config: --config expects key=value"),
         (["bert", "--config", "hidden_size=-5"], "--config hidden_size: expected a positive integer, got -5"),
         (["bert", "--config", "hidden_size=abc"], "--config hidden_size: expected a positive integer, got 'abc'"),
-        (["bert", "--config", "hidden_dropout_prob=abc"], "check --config"),
+        (["bert", "--config", "hidden_dropout_prob=abc"], "--config: Validation error for field 'hidden_dropout_prob'"),
     ],
 )
 def test_cli_rejects_bad_arguments_without_a_traceback(argv, expected, capsys):

@@ -436,7 +436,7 @@ def test_compare_fails_when_a_trial_that_finished_in_a_did_not_in_b(tmp_path: Pa
     assert "x: B did not finish ok: B crashed (repeat 2 of 2: boom; 1 repeat(s) ok)" in out.out
     assert "regression: x finished ok in A, not in B" in out.err
     md = (tmp_path / "c" / "compare.md").read_text(encoding="utf-8")
-    assert "B did not finish ok" in md
+    assert "| x | B did not finish ok: B crashed (repeat 2 of 2: boom; 1 repeat(s) ok) |" in md
     # The other way round nothing was measured in A to regress from: not tested, named, and no failure.
     tests = significance(report.summarize_run(b), report.summarize_run(a))
     assert tests.loc["x", "change"] == "not tested" and "A crashed" in tests.loc["x", "change_text"]

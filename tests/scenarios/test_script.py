@@ -116,6 +116,12 @@ def test_a_script_recipe_refuses_what_it_cannot_run(tmp_path: Path) -> None:
         load_recipe(write_recipe(tmp_path, data | {"workload": {"script": str(tmp_path)}}))
     with pytest.raises(RecipeError, match=r"workload\.script: empty: the path of your training script"):
         load_recipe(write_recipe(tmp_path, data | {"workload": {"script": ""}}))
+    # --script's recipe is read as every recipe is (it raised a UnicodeDecodeError out of the command).
+    from hfscale.recipes.workload import recipe_with_script
+
+    (tmp_path / "bin.yaml").write_bytes(b"name: x\n\xff\xfe")
+    with pytest.raises(RecipeError, match=r"bin\.yaml: not a UTF-8 text file"):
+        recipe_with_script(tmp_path / "bin.yaml", str(SCRIPT), [])
     with pytest.raises(RecipeError, match=r"model: the script builds its own model"):
         load_recipe(write_recipe(tmp_path, data | {"model": {"type": "bert"}}))
     bad = data | {"trials": [{"name": "a", "lora": {"rank": 4}}]}

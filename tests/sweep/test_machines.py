@@ -316,10 +316,14 @@ def test_hfscale_slurm_refuses_what_every_driver_would_refuse_before_the_job_que
         (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1", "--", "--bogus-flag"],
          "the options after -- are not hfscale sweep's: --bogus-flag"),
         (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1", "--", "--timeout-s", "-5"],
-         "the options after --: --timeout-s"),
+         "the options after --: --timeout-s must be more than 0, got -5"),
         (["cpu_small", "--nodes", "2", "--gpus-per-node", "0", "--processes-per-node", "1"],
          "strategy.num_processes=1 is not a multiple of strategy.num_machines=2"),
-        (["--resume", str(tmp_path / "no-run"), "--nodes", "2", "--gpus-per-node", "1"], "not a run folder here"),
+        (["--resume", str(tmp_path / "no-run"), "--nodes", "2", "--gpus-per-node", "1"],
+         f"--resume {tmp_path / 'no-run'}: no recipe.yaml there; is it a run folder?"),
+        # What the sweep's start refuses beyond the recipe (its own search checks): a batch axis under its limit.
+        (["cpu_techniques", "--nodes", "1", "--gpus-per-node", "0", "--processes-per-node", "2", "--",
+          "--max-batch-limit", "1"], "the largest-batch search's limit 1"),
     ]  # fmt: skip
     for argv, says in cases:
         assert slurm(["--out", str(tmp_path / "job.sbatch"), *argv]) == 2, argv
@@ -334,6 +338,7 @@ def test_hfscale_slurm_refuses_what_every_driver_would_refuse_before_the_job_que
     recipe = write_recipe(tmp_path, {**data, "trials": [{"name": "a"}]})
     argv = ["--out", str(tmp_path / "job.sbatch"), str(recipe), "--nodes", "2", "--gpus-per-node", "8"]
     assert slurm(argv) == 2 and "a warm-up of 10 leaves fewer than the two" in capsys.readouterr().err
+    assert not (tmp_path / "job.sbatch").exists()
     assert slurm([*argv, "--", "--script", str(SCRIPTS / "hf_example.py"), "--", "--num_samples", "64"]) == 0
 
 
