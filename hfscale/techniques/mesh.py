@@ -72,8 +72,8 @@ def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | Non
 
     Raises:
         ImportError: when accelerate is missing.
-        ValueError: what accelerate refuses in the sizes (tensor or context parallel beside replication alone:
-            ``dp_replicate > 1`` needs ``dp_shard > 1`` there).
+        ValueError: what accelerate refuses in the sizes (context parallel beside replication alone, tensor parallel
+            too before 1.16: ``dp_replicate > 1`` needs ``dp_shard > 1`` there).
     """
     p = strategy.parallelism
     if p is None:
