@@ -6,7 +6,6 @@ raises :class:`hfscale.core.validation.Invalid` at the dotted key it is about.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import math
@@ -14,6 +13,7 @@ from typing import Any
 
 from hfscale.core.validation import Invalid, join_path, show_value
 from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
+from hfscale.workload.steps import epoch_steps, rows_per_epoch
 
 
 def check_folder_name(name: str, path: str) -> None:
@@ -156,29 +156,17 @@ def check_measured_steps(measure: MeasureSpec, path: str) -> None:
 
 def check_epoch_steps(strategy: Any, data: DataSpec, measure: MeasureSpec, path: str) -> None:
     """:func:`check_measured_steps` for a run of ``num_epochs`` epochs, whose optimizer steps follow from the data
-    and the batch: at most ``ceil(epochs x ceil(ceil(samples / replicas) / batch / accumulation))`` (the Trainer's
-    count, rounded up at each division, so that no run that has the steps is refused)."""
+    and the batch (:func:`~hfscale.workload.steps.epoch_steps`, the Trainer's count)."""
     warmup = measure.warmup_steps
-    if measure.max_steps is not None or not isinstance(warmup, int) or data.factory is not None:
-        return  # capped by max_steps (checked above), a detected warm-up, or a data set only the factory knows
-    if strategy.parallelism is not None and strategy.parallelism.sp > 1:
-        return  # the Trainer shards the data over sequence-parallel ranks too and multiplies its steps back
-    samples = data.num_samples
-    if data.packing == "pack":
-        from hfscale.workload.lengths import packed_rows
-
-        samples = packed_rows(data)
-    per_step = strategy.per_device_batch_size * strategy.gradient_accumulation_steps
-    replicas = strategy.global_batch_size // per_step
-    batches = math.ceil(math.ceil(samples / replicas) / strategy.per_device_batch_size)  # one replica's
-    per_epoch = math.ceil(batches / strategy.gradient_accumulation_steps)
-    steps = math.ceil(measure.num_epochs * per_epoch)
-    if steps < warmup + 2:
+    if measure.max_steps is not None or not isinstance(warmup, int):
+        return  # capped by max_steps (checked above), or a detected warm-up
+    steps = epoch_steps(strategy, data, measure.num_epochs)
+    if steps is not None and steps < warmup + 2:
         raise Invalid(
             join_path(path, "warmup_steps"),
-            f"{measure.num_epochs:g} epoch(s) of {samples} samples at {per_step * replicas} a step run at most "
-            f"{steps} optimizer step(s): a warm-up of {warmup} leaves fewer than the two the throughput figures "
-            "need; train more epochs or samples, or lower warmup_steps",
+            f"{measure.num_epochs:g} epoch(s) of {rows_per_epoch(data)} samples at {strategy.global_batch_size} a "
+            f"step run at most {steps} optimizer step(s): a warm-up of {warmup} leaves fewer than the two the "
+            "throughput figures need; train more epochs or samples, or lower warmup_steps",
         )
 
 
@@ -351,14 +339,15 @@ def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
 
 
 def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
-    """Refuse a mesh accelerate would refuse (tensor or context parallel beside replicas alone), and
-    ``parallelism.tp > 1`` for a model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial
-    that asks for it (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one).
-    Skipped where the config cannot be built here: :func:`check_model` has said why, or the trial will."""
+    """Refuse a mesh the installed accelerate would refuse (context parallel beside replicas alone; tensor parallel
+    too before accelerate 1.16), and ``parallelism.tp > 1`` for a model type without a tensor-parallel plan
+    (``base_model_tp_plan``), at the trial that asks for it (:func:`hfscale.techniques.mesh.tp_plan_problem` says
+    why and which model types have one). Skipped where the config cannot be built here: :func:`check_model` has
+    said why, or the trial will."""
     from hfscale.techniques.mesh import accelerate_parallelism_config, tensor_parallel, tp_plan_problem
 
     if strategy.parallelism is not None:
-        try:  # what accelerate refuses in the sizes (tp or cp beside replicas alone), said now
+        try:  # what accelerate refuses in the sizes, said now
             accelerate_parallelism_config(strategy)
         except ImportError:
             pass
@@ -393,22 +382,20 @@ def check_batch_fits_data(strategy: Any, data: DataSpec, path: str) -> None:
     Raises:
         Invalid: at ``PATH.per_device_batch_size``, naming the product and ``data.num_samples``.
     """
-    if data.factory is not None:
-        return  # the factory's data set is only known when it runs
+    rows = rows_per_epoch(data)
     need = strategy.global_batch_size
-    if data.packing == "pack":
-        from hfscale.workload.lengths import packed_rows
-
-        data = dataclasses.replace(data, num_samples=packed_rows(data))
-    if data.num_samples >= need:
-        return
+    if rows is None or rows >= need:
+        return  # enough, or a factory's data set, known only when it runs
     replicas = need // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)
+    have = f"data.num_samples {rows}"
+    if data.packing == "pack":
+        have = f"the {rows} rows that data.num_samples {data.num_samples} packs into"
     raise Invalid(
         join_path(path, "per_device_batch_size"),
         f"one optimizer step takes {need} samples (batch {strategy.per_device_batch_size} x accumulation "
-        f"{strategy.gradient_accumulation_steps} x {replicas} data-parallel replica(s)), more than data.num_samples "
-        f"{data.num_samples}: the steps would train on smaller batches than asked; lower the batch or set "
-        f"data.num_samples to {need} or more",
+        f"{strategy.gradient_accumulation_steps} x {replicas} data-parallel replica(s)), more than {have}: the steps "
+        "would train on smaller batches than asked; lower the batch or "
+        + ("raise data.num_samples" if data.packing == "pack" else f"set data.num_samples to {need} or more"),
     )
 
 

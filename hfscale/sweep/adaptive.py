@@ -41,6 +41,7 @@ from hfscale.sweep.search import (
     next_step,
 )
 from hfscale.sweep.skip import skip_by_estimate, skip_margin
+from hfscale.workload.steps import optimizer_steps
 
 Key = tuple[str, int]
 
@@ -233,24 +234,13 @@ def first_run(run: PlannedRun) -> PlannedRun:
     not known before it runs (a script's or a data factory's data trained by epochs), or that is no longer than
     that, runs in full."""
     spec = run.trial.spec
-    total = _total_steps(run.trial)
+    total = optimizer_steps(run.trial.spec)
     measure = dataclasses.replace(spec.measure, warmup_steps="auto")
     if total is not None and total > MIN_SHORT_STEPS:
         short = max(MIN_SHORT_STEPS, math.ceil(total * SHORT_FRACTION))
         measure = dataclasses.replace(measure, max_steps=short)
     trial = dataclasses.replace(run.trial, spec=dataclasses.replace(spec, measure=measure))
     return dataclasses.replace(run, trial=trial)
-
-
-def _total_steps(trial: RecipeTrial) -> int | None:
-    """The optimizer steps a full run trains, when they are known before it runs."""
-    spec = trial.spec
-    if spec.measure.max_steps is not None:
-        return spec.measure.max_steps
-    if spec.script is not None or spec.data.factory is not None:
-        return None
-    per_epoch = math.ceil(spec.data.num_samples / spec.strategy.global_batch_size)
-    return math.floor(per_epoch * spec.measure.num_epochs)
 
 
 def trial_states(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResult]) -> list[TrialState]:
@@ -317,7 +307,7 @@ def _full_run_walls(firsts: Sequence[PlannedRun], stored: Mapping[Key, TrialResu
             continue
         wall = row.wall_time_s
         run = by_name.get(name)
-        total = _total_steps(run.trial) if run is not None else None
+        total = optimizer_steps(run.trial.spec) if run is not None else None
         throughput = row.throughput
         if repeat == 0 and total is not None and throughput is not None and throughput.step_time_mean_s:
             ran = first_run(run).trial.spec.measure.max_steps

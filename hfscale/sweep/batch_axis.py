@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from hfscale.records.batch import BatchSearchRecord, max_batch_base, max_batch_name
+from hfscale.workload.steps import rows_per_epoch, steps_per_epoch
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from hfscale.launch.plan import PlannedRun, SweepSettings
     from hfscale.recipes.schema import Recipe, RecipeTrial, SweepOptions
     from hfscale.records.row import TrialResult
+    from hfscale.strategy import Strategy
+    from hfscale.workload.spec import TrialSpec
 
 
 def batch_settings(options: SweepOptions, settings: SweepSettings) -> SweepSettings:
@@ -71,16 +74,23 @@ def max_batch_trial(
     spec = trial.spec
     batch = record.result.max_batch_size
     strategy = spec.strategy.replace(name=max_batch_name(trial.name), per_device_batch_size=batch)
-    steps = max(1, math.ceil(spec.data.num_samples / spec.strategy.global_batch_size))
     measure = (original or trial).spec.measure
     new_spec = dataclasses.replace(
         spec,
         name=strategy.name,
         strategy=strategy,
-        data=dataclasses.replace(spec.data, num_samples=steps * strategy.global_batch_size),
+        data=dataclasses.replace(spec.data, num_samples=_samples_for(spec, strategy)),
         measure=measure,
     )
     return dataclasses.replace(trial, spec=new_spec, source=f"{trial.source} at its largest batch ({batch})")
+
+
+def _samples_for(spec: TrialSpec, strategy: Strategy) -> int:
+    """The samples that give ``strategy`` (the larger batch) as many optimizer steps per epoch as ``spec`` has
+    (packed data: as many packed rows, at the data's own sequences per row)."""
+    rows = rows_per_epoch(spec.data) or spec.data.num_samples
+    rows_needed = steps_per_epoch(spec.strategy, rows) * strategy.global_batch_size
+    return math.ceil(rows_needed * spec.data.num_samples / rows)
 
 
 def max_batch_runs(
