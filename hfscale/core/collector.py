@@ -10,9 +10,14 @@ saves, measured: docs/development.md (the suite's time).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
+import os
+import sys
+import threading
 from collections.abc import Iterator
+from typing import NoReturn
 
 
 @contextlib.contextmanager
@@ -38,3 +43,23 @@ def frozen_after_imports() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a process that is hfscale's own (a trial rank) once its work is done, skipping the interpreter's teardown.
+
+    A rank's result is written, and every rank has passed the group's closing barrier, before this is called; what
+    ``sys.exit`` would do next is unload the training stack module by module, finalise the model and the data set,
+    and run the C++ destructors of torch's process group, which on CPU sometimes aborts a rank of a multi-process
+    run at exit (``terminate called without an active exception``). Measured on a tiny trial: 0.3-0.5 CPU-seconds
+    of exit against 0.1 this way (docs/development.md). The exit handlers still run (logging's flush, wandb's
+    finish, a user's script's own), and the standard streams are flushed. A thread the interpreter would wait
+    for (not a daemon) keeps the ordinary exit, so that it can finish.
+    """
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing left to save
+            stream.flush()
+    os._exit(code)

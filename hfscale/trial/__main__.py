@@ -1,7 +1,6 @@
 """``python -m hfscale.trial SPEC.json --result RESULT.json``: one trial, inside the process group the sweep started."""
 
-import sys
-
+from hfscale.core.collector import exit_without_teardown
 from hfscale.trial.entry import main
 
-sys.exit(main(process_ends=True))
+exit_without_teardown(main(process_ends=True))

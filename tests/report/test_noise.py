@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -376,14 +377,6 @@ def test_rows_without_step_times_get_no_invented_interval(tmp_path: Path) -> Non
     assert "No trial ran twice, so the run-to-run noise is unknown" in md
 
 
-def _tworuns_of(name: str, mean_s: float, *, seed: int) -> list:
-    return [
-        with_steps(ok_row(name, BASE.replace(name=name), 8 / mean_s, 4.0), noisy_steps(mean_s, 40, seed=seed + r),
-                   repeat=r, repeats=2)
-        for r in range(2)
-    ]  # fmt: skip
-
-
 def test_compare_takes_no_side_on_one_run_a_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The two-run rule of the report holds in compare too: one run a side (whose spread on a shared machine is
     about 20%) cannot fail a CI job, however far apart the figures are."""
@@ -396,9 +389,19 @@ def test_compare_takes_no_side_on_one_run_a_side(tmp_path: Path, capsys: pytest.
 
 
 def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    a = write_run(tmp_path / "a", [*_tworuns_of("base", 0.10, seed=1), *_tworuns_of("x", 0.10, seed=10)], ENV)
-    noise = write_run(tmp_path / "noise", [*_tworuns_of("base", 0.10, seed=20), *_tworuns_of("x", 0.10, seed=30)], ENV)
-    slow = write_run(tmp_path / "slow", [*_tworuns_of("base", 0.10, seed=40), *_tworuns_of("x", 0.12, seed=50)], ENV)
+    a = write_run(
+        tmp_path / "a", [*runs_of("base", 0.10, seed=100, drift=0.0), *runs_of("x", 0.10, seed=1000, drift=0.0)], ENV
+    )
+    noise = write_run(
+        tmp_path / "noise",
+        [*runs_of("base", 0.10, seed=2000, drift=0.0), *runs_of("x", 0.10, seed=3000, drift=0.0)],
+        ENV,
+    )
+    slow = write_run(
+        tmp_path / "slow",
+        [*runs_of("base", 0.10, seed=4000, drift=0.0), *runs_of("x", 0.12, seed=5000, drift=0.0)],
+        ENV,
+    )
     assert (
         report_command.compare_main([str(a), str(noise), "--out", str(tmp_path / "c1"), "--fail-on-regression", "5"])
         == 0
@@ -409,7 +412,8 @@ def test_compare_fails_on_a_significant_slowdown_only(tmp_path: Path, capsys: py
         == 1
     )
     out = capsys.readouterr()
-    assert "x: B is 20." in out.out and "slower" in out.out and "regression: x" in out.err
+    slower = re.search(r"x: B is ([\d.]+)% ± [\d.]+% slower", out.out)  # its steps take 20% longer
+    assert slower and abs(float(slower[1]) - 20) < 3 and "regression: x" in out.err, out
     # Without the flag the same comparison is written and exits 0; a threshold above the slowdown passes.
     assert report_command.compare_main([str(a), str(slow), "--out", str(tmp_path / "c3")]) == 0
     assert (
@@ -426,9 +430,13 @@ def test_compare_fails_when_a_trial_that_finished_in_a_did_not_in_b(tmp_path: Pa
     """A CI gate must not pass a B that did not finish: a trial ok in A and crashed in B (one of its runs is enough)
     is named as such and fails --fail-on-regression at any threshold; one that failed in A is not tested, and
     says why."""
-    a = write_run(tmp_path / "a", [*_tworuns_of("base", 0.10, seed=1), *_tworuns_of("x", 0.10, seed=10)], ENV)
-    crashed = dataclasses.replace(_tworuns_of("x", 0.10, seed=30)[1], status="crashed", reason="boom", measured=None)
-    b_rows = [*_tworuns_of("base", 0.10, seed=20), _tworuns_of("x", 0.10, seed=30)[0], crashed]
+    a = write_run(
+        tmp_path / "a", [*runs_of("base", 0.10, seed=100, drift=0.0), *runs_of("x", 0.10, seed=1000, drift=0.0)], ENV
+    )
+    crashed = dataclasses.replace(
+        runs_of("x", 0.10, seed=3000, drift=0.0)[1], status="crashed", reason="boom", measured=None
+    )
+    b_rows = [*runs_of("base", 0.10, seed=2000, drift=0.0), runs_of("x", 0.10, seed=3000, drift=0.0)[0], crashed]
     b = write_run(tmp_path / "b", b_rows, ENV)
     argv = [str(a), str(b), "--out", str(tmp_path / "c"), "--fail-on-regression", "50"]
     assert report_command.compare_main(argv) == 1
@@ -443,7 +451,7 @@ def test_compare_fails_when_a_trial_that_finished_in_a_did_not_in_b(tmp_path: Pa
     assert regressions(tests, 5) == [] and tests.loc["base", "change"] == "no significant change"
     # A trial B did not run (a search skipped it on its estimate) did not fail: not tested, and no failure either.
     skipped = dataclasses.replace(crashed, status="skipped", reason="predicted peak 9 GiB", repeat=0, repeats=1)
-    c = write_run(tmp_path / "c", [*_tworuns_of("base", 0.10, seed=40), skipped], ENV)
+    c = write_run(tmp_path / "c", [*runs_of("base", 0.10, seed=4000, drift=0.0), skipped], ENV)
     tests = significance(report.summarize_run(a), report.summarize_run(c))
     assert (
         tests.loc["x", "change"] == "not tested" and "B skipped (predicted peak 9 GiB)" in tests.loc["x", "change_text"]

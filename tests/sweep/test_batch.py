@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.runs import write_recipe
 
 from hfscale.estimate import estimate_memory
 from hfscale.records.batch import BatchSearchResult, ProbeOutcome
@@ -214,10 +215,8 @@ def _scripted_sweep(monkeypatch, limits: dict[str, int]) -> list[tuple[str, int,
     return launched
 
 
-def _axis_recipe(tmp_path, batch: str, **measure) -> str:
-    import yaml
-
-    data = {
+def _axis_data(batch: str, **measure) -> dict:
+    return {
         "device": "cpu",
         "model": {"config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}},
         "data": {"num_samples": 32, "seq_len": 16},
@@ -226,9 +225,10 @@ def _axis_recipe(tmp_path, batch: str, **measure) -> str:
         "defaults": {"per_device_batch_size": 4},
         "trials": [{"name": "fp32"}, {"name": "ckpt", "gradient_checkpointing": True}],
     }
-    path = tmp_path / "axis.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+
+
+def _axis_recipe(tmp_path, batch: str, **measure) -> str:
+    return str(write_recipe(tmp_path, _axis_data(batch, **measure), "axis.yaml"))
 
 
 def test_batch_both_adds_a_row_per_strategy_at_the_largest_batch_it_fits(tmp_path, monkeypatch):
@@ -328,18 +328,16 @@ def test_the_recipes_max_batch_limit_applies_unless_the_command_line_gives_one()
 
 
 def test_a_trial_may_set_its_own_batch_and_only_those_trials_are_searched(tmp_path, monkeypatch):
-    from pathlib import Path
-
-    import yaml
 
     from hfscale.results.run_folder import RunFolder
     from hfscale.sweep.loop import run_sweep
 
     launched = _scripted_sweep(monkeypatch, {"fp32": 12, "ckpt": 40})
-    data = yaml.safe_load(Path(_axis_recipe(tmp_path, "fixed")).read_text())
+    data = _axis_data("fixed")
     data["trials"][1]["batch"] = "max"
-    (tmp_path / "own.yaml").write_text(yaml.safe_dump(data))
-    run_sweep(str(tmp_path / "own.yaml"), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    run_sweep(
+        write_recipe(tmp_path, data, "own.yaml"), run_dir=tmp_path / "run", report=False, progress=lambda line: None
+    )
     assert launched == [("fp32", 0, 4), ("ckpt", 0, 4), ("ckpt-maxbatch", 0, 40)]
     rows = {r.trial: r for r in RunFolder(tmp_path / "run").rows()}
     assert rows["fp32"].batch_search is None and rows["ckpt"].batch_search.result.max_batch_size == 40

@@ -598,7 +598,6 @@ def test_a_failing_report_is_reported_not_raised(tmp_path: Path, monkeypatch: py
 def _precision_sweep(tmp_path, monkeypatch, speeds):
     """A two-trial sweep with ``target_precision: 0.05`` whose launches are scripted: run k of a trial measures
     ``speeds[k]`` samples/s. Returns the rows by (trial, repeat)."""
-    import yaml
 
     from hfscale.results.run_folder import RunFolder
     from hfscale.sweep.loop import run_sweep
@@ -612,8 +611,7 @@ def _precision_sweep(tmp_path, monkeypatch, speeds):
         "defaults": {"per_device_batch_size": 4},
         "trials": [{"name": "fp32"}, {"name": "ckpt", "gradient_checkpointing": True}],
     }
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
-    run_sweep(str(tmp_path / "p.yaml"), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
+    run_sweep(write_recipe(tmp_path, data), run_dir=tmp_path / "run", report=False, progress=lambda line: None)
     return {r.key: r for r in RunFolder(tmp_path / "run").rows()}
 
 
