@@ -34,7 +34,6 @@ from hfscale.strategy import (
     StrategyError,
     precision_from_flags,
 )
-from hfscale.techniques.mesh import accelerate_parallelism_config
 
 PROG = "hfscale config"
 
@@ -247,8 +246,7 @@ def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
-    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``) or, without it,
-    DDP replicas over them where the installed accelerate composes those with tp (1.16 and later)."""
+    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``)."""
     if args.tp is None:
         return None
     if args.tp < 1 or args.num_processes % args.tp:
@@ -261,17 +259,12 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
                 "shard over (--num-processes > --tp)"
             )
         return ParallelismSpec(tp=args.tp, dp_shard=rest)
-    mesh = ParallelismSpec(tp=args.tp, dp_replicate=rest)
-    if rest > 1:  # DDP replicas beside tp: accelerate 1.16 composes them, earlier releases refuse
-        try:
-            accelerate_parallelism_config(Strategy(num_processes=args.num_processes, parallelism=mesh))
-        except ValueError as exc:
-            raise StrategyError(
-                f"--tp {args.tp} with --num-processes {args.num_processes}: this accelerate does not replicate a "
-                f"tensor-parallel model over the other {rest} ways of data parallel ({exc}); add --fsdp to shard "
-                "over them with FSDP2"
-            ) from None
-    return mesh
+    if rest > 1:  # accelerate composes tp with sharded data parallel only
+        raise StrategyError(
+            f"--tp {args.tp} with --num-processes {args.num_processes}: the other {rest} ways of data parallel need "
+            "--fsdp (accelerate composes tensor parallel with FSDP2, not with DDP replicas)"
+        )
+    return ParallelismSpec(tp=args.tp)
 
 
 def main(argv: list[str] | None = None) -> int:

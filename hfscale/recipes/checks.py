@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from hfscale.core.validation import Invalid, join_path, show_value
-from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec
-from hfscale.workload.steps import epoch_steps, rows_per_epoch
+from hfscale.workload.spec import SEQUENTIAL_MIN_RUNS, DataSpec, MeasureSpec, ModelSpec, TrialSpec
+from hfscale.workload.steps import optimizer_steps, rows_per_epoch
 
 
 def check_folder_name(name: str, path: str) -> None:
@@ -154,19 +154,24 @@ def check_measured_steps(measure: MeasureSpec, path: str) -> None:
         )
 
 
-def check_epoch_steps(strategy: Any, data: DataSpec, measure: MeasureSpec, path: str) -> None:
+def check_epoch_steps(spec: TrialSpec, path: str) -> None:
     """:func:`check_measured_steps` for a run of ``num_epochs`` epochs, whose optimizer steps follow from the data
-    and the batch (:func:`~hfscale.workload.steps.epoch_steps`, the Trainer's count)."""
-    warmup = measure.warmup_steps
+    and the batch (:func:`~hfscale.workload.steps.optimizer_steps`, the Trainer's count; unchecked where only the
+    run knows it)."""
+    measure, warmup = spec.measure, spec.measure.warmup_steps
     if measure.max_steps is not None or not isinstance(warmup, int):
         return  # capped by max_steps (checked above), or a detected warm-up
-    steps = epoch_steps(strategy, data, measure.num_epochs)
+    steps = optimizer_steps(spec)
     if steps is not None and steps < warmup + 2:
+        rows = rows_per_epoch(spec.data)
+        packed = (
+            f" (the rows data.num_samples {spec.data.num_samples} packs into)" if spec.data.packing == "pack" else ""
+        )
         raise Invalid(
             join_path(path, "warmup_steps"),
-            f"{measure.num_epochs:g} epoch(s) of {rows_per_epoch(data)} samples at {strategy.global_batch_size} a "
-            f"step run at most {steps} optimizer step(s): a warm-up of {warmup} leaves fewer than the two the "
-            "throughput figures need; train more epochs or samples, or lower warmup_steps",
+            f"{measure.num_epochs:g} epoch(s) of {rows} samples{packed} at {spec.strategy.global_batch_size} a step "
+            f"run at most {steps} optimizer step(s): a warm-up of {warmup} leaves fewer than the two the throughput "
+            "figures need; train more epochs or samples, or lower warmup_steps",
         )
 
 
@@ -339,13 +344,20 @@ def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
 
 
 def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
-    """Refuse a mesh the installed accelerate would refuse (context parallel beside replicas alone; tensor parallel
-    too before accelerate 1.16), and ``parallelism.tp > 1`` for a model type without a tensor-parallel plan
-    (``base_model_tp_plan``), at the trial that asks for it (:func:`hfscale.techniques.mesh.tp_plan_problem` says
-    why and which model types have one). Skipped where the config cannot be built here: :func:`check_model` has
-    said why, or the trial will."""
-    from hfscale.techniques.mesh import accelerate_parallelism_config, tensor_parallel, tp_plan_problem
+    """Refuse tensor parallel beside replicas alone (:func:`~hfscale.techniques.mesh.replicas_beside_tp`), a mesh
+    the installed accelerate refuses (context parallel beside replicas alone), and ``parallelism.tp > 1`` for a
+    model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial that asks for it
+    (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one). Skipped where the
+    config cannot be built here: :func:`check_model` has said why, or the trial will."""
+    from hfscale.techniques.mesh import (
+        accelerate_parallelism_config,
+        replicas_beside_tp,
+        tensor_parallel,
+        tp_plan_problem,
+    )
 
+    if (why := replicas_beside_tp(strategy)) is not None:
+        raise Invalid(join_path(path, "parallelism"), why)
     if strategy.parallelism is not None:
         try:  # what accelerate refuses in the sizes, said now
             accelerate_parallelism_config(strategy)

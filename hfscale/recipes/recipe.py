@@ -269,8 +269,6 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     check_measure(trial_measure, join_path(path, "measure"))
     own = {"warmup_steps", "max_steps"} & set(entry.measure)  # where the two came from, to name the key written
     check_measured_steps(trial_measure, join_path(path, "measure") if own else "measure")
-    if shared.script is None:
-        check_epoch_steps(strategy, shared.data, trial_measure, join_path(path, "measure") if own else "measure")
     run_merged = {**shared.run_raw, **entry.run}
     if isinstance(shared.run_raw.get("env"), dict) and isinstance(entry.run.get("env"), dict):
         run_merged["env"] = {**shared.run_raw["env"], **entry.run["env"]}
@@ -284,6 +282,7 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
         measure=trial_measure,
         script=_trial_script(shared.script, entry.script_args),
     )
+    check_epoch_steps(spec, join_path(path, "measure") if own else "measure")
     batch = entry.batch or shared.batch
     return RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch)
 

@@ -200,8 +200,7 @@ class Recipe:
         try:
             strategy = trial.spec.strategy.replace(**changes)
             check_batch_fits_data(strategy, trial.spec.data, "")
-            if trial.spec.script is None:
-                check_epoch_steps(strategy, trial.spec.data, trial.spec.measure, "measure")
+            check_epoch_steps(dataclasses.replace(trial.spec, strategy=strategy), "measure")
         except StrategyError as exc:
             raise RecipeError(f"{where}: {exc}") from exc
         except Invalid as exc:

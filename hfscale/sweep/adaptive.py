@@ -231,8 +231,9 @@ def _undisturbed_runs(rows: Sequence[TrialResult]) -> tuple[dict[str, list[float
 def first_run(run: PlannedRun) -> PlannedRun:
     """``run`` (a trial's first) with its warm-up detected (``warmup_steps: auto``), made short:
     :data:`SHORT_FRACTION` of its optimizer steps, at least :data:`MIN_SHORT_STEPS`. A trial whose step count is
-    not known before it runs (a script's or a data factory's data trained by epochs), or that is no longer than
-    that, runs in full."""
+    not known before it runs (:func:`~hfscale.workload.steps.optimizer_steps`: a script's or a data factory's data
+    trained by epochs, sequence parallelism, training_args that batch an epoch their own way), or that is no
+    longer than that, runs in full."""
     spec = run.trial.spec
     total = optimizer_steps(run.trial.spec)
     measure = dataclasses.replace(spec.measure, warmup_steps="auto")
@@ -346,6 +347,12 @@ class AdaptiveSearch:
         self.clear_summary()  # a resumed search's old summary no longer says how it ends
         self._trace_stored()
         self._skip_by_estimate()
+        if self.question.noise_floor is None and all(run.repeats < 2 for run in self.firsts):
+            self.progress(
+                "every trial runs once (measure.repeats: 1) and no noise floor was given: with no second run there "
+                "is no noise to prune on, so only the memory estimate can spare a run; give measure.repeats 2 or "
+                "more, or --noise-floor (docs/search.md)"
+            )
         while True:
             firsts = self._all_firsts()
             step = next_step(trial_states(firsts, self.stored), self.question, self.limits, self._progress())

@@ -10,10 +10,10 @@ at the largest batch only (the trial's own run is then the search's first probe)
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 from hfscale.records.batch import BatchSearchRecord, max_batch_base, max_batch_name
+from hfscale.workload.lengths import sequences_for_rows
 from hfscale.workload.steps import rows_per_epoch, steps_per_epoch
 
 if TYPE_CHECKING:
@@ -86,11 +86,11 @@ def max_batch_trial(
 
 
 def _samples_for(spec: TrialSpec, strategy: Strategy) -> int:
-    """The samples that give ``strategy`` (the larger batch) as many optimizer steps per epoch as ``spec`` has
-    (packed data: as many packed rows, at the data's own sequences per row)."""
+    """The samples that give ``strategy`` (the larger batch) as many full optimizer steps per epoch as ``spec``
+    has: for packed data, the sequences that pack into exactly those steps' rows."""
     rows = rows_per_epoch(spec.data) or spec.data.num_samples
     rows_needed = steps_per_epoch(spec.strategy, rows) * strategy.global_batch_size
-    return math.ceil(rows_needed * spec.data.num_samples / rows)
+    return sequences_for_rows(spec.data, rows_needed) if spec.data.packing == "pack" else rows_needed
 
 
 def max_batch_runs(

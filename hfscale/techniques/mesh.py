@@ -66,6 +66,21 @@ def tensor_parallel(strategy: Strategy) -> bool:
     return strategy.parallelism is not None and strategy.parallelism.tp > 1
 
 
+def replicas_beside_tp(strategy: Strategy) -> str | None:
+    """Why a mesh of tensor parallel beside data-parallel replicas alone (``tp > 1``, ``dp_replicate > 1``,
+    ``dp_shard == 1``) cannot train here, or None for any other mesh. accelerate refused it until 1.15 and takes it
+    from 1.16, but nothing averages the gradients across the replicas: accelerate skips the DDP wrap whenever tp is
+    on (``Accelerator.prepare_model``)."""
+    p = strategy.parallelism
+    if p is None or p.tp == 1 or p.dp_replicate == 1 or p.dp_shard > 1:
+        return None
+    return (
+        f"tp {p.tp} beside {p.dp_replicate} data-parallel replicas alone: the Trainer would not average the "
+        "replicas' gradients (accelerate skips the DDP wrap under tensor parallel); shard over the other processes "
+        "with FSDP2 instead (dp_shard, fsdp version 2)"
+    )
+
+
 def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | None:
     """accelerate's ``ParallelismConfig`` for ``strategy.parallelism`` (``TrainingArguments.parallelism_config``),
     or None without one. DeepSpeed's sequence parallel is ``sp_backend="deepspeed"`` (accelerate's only one).

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from hfscale.configs import TRAINING_ARGS_FILE
+from hfscale.core.collector import exit_without_teardown
 from hfscale.trial.script import run_script
 from hfscale.trial.train import leave_out_peft_unless_used, process_start_time, run_trial
 from hfscale.workload.spec import TrialSpec
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
 
     ``process_ends``: the process is the trial's own and exits right after (``__main__``). What the training stack's
     imports leave alive is then frozen out of the garbage collector's sight, before any user code runs
-    (:mod:`hfscale.core.collector`); what a script or a factory makes later is collected as usual, at exit too.
+    (:mod:`hfscale.core.collector`); what a script or a factory makes later is collected as usual, at exit too. A
+    recipe's own model and data then end here without the interpreter's teardown (a user's script or factory, whose
+    objects may have finalisers to run, keeps it).
     """
     process_start = process_start_time()
     from hfscale.trial.watchdog import watch_driver
@@ -94,4 +97,6 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
         process_start=process_start,
         own_process=process_ends,
     )
+    if process_ends and spec.model.factory is None and spec.data.factory is None:
+        exit_without_teardown(0)  # hfscale's own model and data, the result written: the teardown has nothing to do
     return 0

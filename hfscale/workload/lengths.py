@@ -14,6 +14,7 @@ The throughput callback counts padded tokens (``tokens/s``) and, from the attent
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,6 +55,18 @@ def packed_rows(spec: DataSpec) -> int:
     """Rows of ``seq_len`` tokens the packed data set holds (the tokens of every sequence, the last partial row
     dropped)."""
     return int(draw_lengths(spec).sum()) // spec.seq_len
+
+
+def sequences_for_rows(spec: DataSpec, rows: int) -> int:
+    """The fewest sequences (``num_samples``) whose packed data holds ``rows`` rows. A longer draw keeps the lengths
+    of a shorter one (the same seeded stream), and a sequence is at most one row long, so packed rows grow one at a
+    time with the sequences and the answer holds exactly ``rows``."""
+    n = max(spec.num_samples, 1)
+    while True:
+        tokens = np.cumsum(draw_lengths(dataclasses.replace(spec, num_samples=n)))
+        if tokens[-1] >= rows * spec.seq_len:
+            return int(np.searchsorted(tokens, rows * spec.seq_len)) + 1
+        n *= 2
 
 
 def variable_length_data(spec: DataSpec, task: str) -> tuple[datasets.Dataset, Any]:

@@ -45,11 +45,18 @@ def epoch_steps(strategy: Strategy, data: DataSpec, num_epochs: float) -> int | 
     return math.ceil(num_epochs * steps_per_epoch(strategy, rows))
 
 
+BATCHING_ARGS = ("dataloader_drop_last", "accelerator_config")
+"""``TrainingArguments`` keywords that change how the Trainer batches an epoch (dropping a last partial batch;
+accelerate's ``split_batches``, ``even_batches``, ``dispatch_batches``): where a recipe sets one, the count is left
+to the run."""
+
+
 def optimizer_steps(spec: TrialSpec) -> int | None:
     """The optimizer steps a run of ``spec`` trains: ``measure.max_steps`` where given, else its epochs'
-    (:func:`epoch_steps`); None when they are known only once it runs (a script's data too)."""
+    (:func:`epoch_steps`); None when they are known only once it runs (a script's data, or ``training_args`` that
+    batch an epoch their own way: :data:`BATCHING_ARGS`)."""
     if spec.measure.max_steps is not None:
         return spec.measure.max_steps
-    if spec.script is not None:
+    if spec.script is not None or any(spec.training_args.get(key) for key in BATCHING_ARGS):
         return None
     return epoch_steps(spec.strategy, spec.data, spec.measure.num_epochs)

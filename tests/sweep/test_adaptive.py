@@ -77,6 +77,21 @@ def test_the_search_prunes_the_slow_trials_and_records_why(tmp_path, monkeypatch
     assert all(r.stopping.startswith("adaptive search") for r in ok_rows)
 
 
+def test_a_search_of_single_runs_says_it_has_no_noise_to_prune_on(tmp_path, monkeypatch):
+    """cpu_techniques runs each trial once: searched, it ran what the grid runs and said nothing of why."""
+    launched = scripted_launches(monkeypatch, speed)
+    once = {**RECIPE, "measure": {**RECIPE["measure"], "repeats": 1}}
+    lines: list[str] = []
+    run_sweep(write_recipe(tmp_path, once), run_dir=tmp_path / "once", report=False, progress=lines.append)
+    assert sorted(launched) == [(n, 0) for n in sorted(SPEEDS)]  # each once, as the grid; nothing pruned
+    assert any("every trial runs once (measure.repeats: 1) and no noise floor was given" in line for line in lines)
+    lines.clear()
+    sweep_twice = {**RECIPE, "trials": [{"name": "a"}, {"name": "b"}]}
+    run_sweep(write_recipe(tmp_path, sweep_twice, "twice.yaml"), run_dir=tmp_path / "twice", report=False,
+              progress=lines.append)  # fmt: skip
+    assert not any("every trial runs once" in line for line in lines)
+
+
 def test_a_search_resumed_in_the_middle_launches_what_an_uninterrupted_one_would(tmp_path, monkeypatch):
     launched = scripted_launches(monkeypatch, speed)
     sweep(tmp_path, "whole")

@@ -316,6 +316,33 @@ def test_max_batch_trial_keeps_the_steps_per_epoch_and_the_recipes_repeats():
     assert max_batch_trial(trial, BatchSearchRecord(searched=True, result=none_fits)) is None
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_packed_trial_at_its_largest_batch_trains_as_many_full_steps(seed: int):
+    """Packed data's rows come from drawn lengths: scaling the sequences in proportion left the larger batch's
+    data about a row short now and then, so its last step (or an epoch's only one) trained a smaller batch."""
+    import dataclasses
+
+    from hfscale.recipes.schema import RecipeTrial, RunSpec
+    from hfscale.records.batch import BatchSearchRecord
+    from hfscale.sweep.batch_axis import max_batch_trial
+    from hfscale.workload.spec import DataSpec, LengthSpec, ModelSpec
+    from hfscale.workload.steps import rows_per_epoch, steps_per_epoch
+
+    packed = DataSpec(
+        num_samples=300, seq_len=64, lengths=LengthSpec(min=4), packing="pack", token_high=1000, seed=seed
+    )
+    spec = dataclasses.replace(_spec(4), model=ModelSpec(type="gpt2", task="causal_lm"), data=packed)
+    trial = RecipeTrial(spec=spec, run=RunSpec(), source="trials[0]")
+    for batch in (5, 7, 12):
+        found = BatchSearchRecord(
+            searched=True, result=BatchSearchResult(max_batch_size=batch, first_oom_batch_size=batch + 1)
+        )
+        best = max_batch_trial(trial, found).spec
+        steps = steps_per_epoch(spec.strategy, rows_per_epoch(spec.data))
+        assert rows_per_epoch(best.data) >= steps * best.strategy.global_batch_size, (seed, batch)
+        assert steps_per_epoch(best.strategy, rows_per_epoch(best.data)) == steps, (seed, batch)
+
+
 def test_the_recipes_max_batch_limit_applies_unless_the_command_line_gives_one():
     from hfscale.launch.plan import SweepSettings
     from hfscale.recipes.schema import SweepOptions

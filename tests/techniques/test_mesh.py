@@ -6,7 +6,6 @@ inside the run that a Linear weight is ``Shard``-ed over a 1-D tp mesh of 2."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -105,20 +104,19 @@ def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monk
 
 
 def test_accelerate_refuses_cp_beside_replication_alone():
-    """Every accelerate with a ParallelismConfig refuses context parallel beside replicas alone (until 1.15 tensor
-    parallel too: :func:`accelerates_ddp_with_tp`)."""
     with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):
         replicas_and_cp = ParallelismSpec(dp_replicate=2, cp=2)
         mesh.accelerate_parallelism_config(Strategy(num_processes=4, fsdp=FsdpSpec(), parallelism=replicas_and_cp))
 
 
-def accelerates_ddp_with_tp() -> bool:
-    """Whether the installed accelerate composes DDP replicas with tensor parallel (1.16 and later)."""
-    try:
-        mesh.accelerate_parallelism_config(Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2)))
-    except ValueError:
-        return False
-    return True
+def test_tp_beside_replicas_alone_is_refused_whatever_accelerate_takes():
+    """accelerate 1.16 takes this mesh where 1.15 refused it, but skips the DDP wrap under tp: the replicas'
+    gradients would never be averaged."""
+    replicas_and_tp = Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2))
+    assert "would not average the replicas' gradients" in mesh.replicas_beside_tp(replicas_and_tp)
+    hsdp_and_tp = ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2)
+    assert mesh.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_and_tp)) is None
+    assert mesh.replicas_beside_tp(TP2_CPU) is None
 
 
 def test_script_lines_say_what_a_user_script_needs():
@@ -145,27 +143,23 @@ def test_tp_for_a_model_without_a_plan_is_refused_at_recipe_load():
     assert parse_recipe(recipe, source="x.yaml").trials[0].spec.strategy.parallelism.tp == 2
 
 
-def test_a_mesh_accelerate_refuses_is_refused_at_recipe_load_and_by_the_cli(tmp_path: Path, capsys):
+def test_a_mesh_that_cannot_train_is_refused_at_recipe_load_and_by_the_cli(tmp_path: Path, capsys):
     from hfscale.commands.config import main as config_main
 
-    cp_ddp = {"name": "cp-ddp", "num_processes": 4, "fsdp": {"version": 2}, "parallelism": {"dp_replicate": 2, "cp": 2}}
     recipe = {
         "model": {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA},
         "data": {"token_high": 256},
-        "trials": [cp_ddp],
+        "trials": [{"name": "tp-ddp", "num_processes": 4, "parallelism": {"dp_replicate": 2, "tp": 2}}],
     }
+    with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism: tp 2 beside 2 data-parallel replicas alone"):
+        parse_recipe(recipe, source="x.yaml")
+    recipe["trials"] = [
+        {"name": "cp-ddp", "num_processes": 4, "fsdp": {"version": 2}, "parallelism": {"dp_replicate": 2, "cp": 2}}
+    ]
     with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism: accelerate refuses this mesh: .*pure data"):
         parse_recipe(recipe, source="x.yaml")
-    # --tp beside DDP replicas: what the installed accelerate says, refused with the way out, or written.
-    code = config_main(["--out", str(tmp_path / "ddp"), "--num-processes", "4", "--tp", "2"])
-    if accelerates_ddp_with_tp():
-        assert code == 0  # the YAML carries a mesh with FSDP2 only; the Trainer takes this one, as printed
-        assert "ParallelismConfig(dp_replicate_size=2, tp_size=2)" in capsys.readouterr().out
-        written = json.loads((tmp_path / "ddp" / "strategy.json").read_text())
-        assert written["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "cp": 1, "sp": 1}
-    else:
-        assert code == 2
-        assert "does not replicate a tensor-parallel model over the other 2 ways" in capsys.readouterr().err
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2"]) == 2
+    assert "the other 2 ways of data parallel need --fsdp" in capsys.readouterr().err
     assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 0
     assert "parallelism_config_tp_size: 2" in (tmp_path / "accelerate.yaml").read_text()
 

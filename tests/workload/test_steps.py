@@ -26,13 +26,13 @@ PACKED = DataSpec(
     ("rows", "batch", "accumulation", "epochs"),
     [(128, 8, 1, 1.0), (100, 8, 1, 1.0), (100, 8, 3, 1.0), (100, 7, 2, 2.5), (5, 8, 4, 0.4)],
 )
-def test_the_count_is_the_trainers_own(rows: int, batch: int, accumulation: int, epochs: float) -> None:
+def test_the_count_is_the_trainers_own(rows: int, batch: int, accumulation: int, epochs: float, tmp_path) -> None:
     """The Trainer's ``set_initial_training_values`` on a loader of ``rows`` rows, against ours: one process."""
     from torch.utils.data import DataLoader
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir="unused",
+        output_dir=str(tmp_path),
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
         num_train_epochs=epochs,
@@ -83,3 +83,32 @@ def test_a_packed_trials_short_first_run_is_shorter_than_its_full_run() -> None:
     assert full is not None and full > MIN_SHORT_STEPS
     planned = PlannedRun(trial=RecipeTrial(spec=spec, run=RunSpec()), repeat=0, index=0)
     assert first_run(planned).trial.spec.measure.max_steps == max(MIN_SHORT_STEPS, -(-full // 2))
+
+
+def test_training_args_that_batch_an_epoch_their_own_way_leave_the_count_to_the_run():
+    """dataloader_drop_last: 100 rows at batch 8 train 12 steps, not 13; accelerate's split or uneven batches
+    change it too. The warm-up check and the search's short run then wait for the run."""
+    spec = TrialSpec(name="t", strategy=Strategy(name="t", per_device_batch_size=8), data=DataSpec(num_samples=100))
+    assert optimizer_steps(spec) == 13
+    for args in ({"dataloader_drop_last": True}, {"accelerator_config": {"split_batches": True}}):
+        assert optimizer_steps(dataclasses.replace(spec, training_args=args)) is None, args
+    assert optimizer_steps(dataclasses.replace(spec, training_args={"dataloader_drop_last": False})) == 13
+
+
+def test_a_packed_warm_up_too_long_for_its_rows_is_refused_naming_the_rows(tmp_path):
+    from helpers.runs import write_recipe
+
+    from hfscale.recipes.recipe import load_recipe
+    from hfscale.recipes.schema import RecipeError
+
+    recipe = {
+        "device": "cpu",
+        "model": {"type": "gpt2", "task": "causal_lm", "config": {"n_embd": 32, "n_layer": 1, "n_head": 2}},
+        "data": {"num_samples": 800, "seq_len": 128, "lengths": {"distribution": "normal", "mean": 16, "sd": 4},
+                 "packing": "pack", "token_high": 1000},
+        "measure": {"warmup_steps": 30},
+        "trials": [{"name": "t", "per_device_batch_size": 4}],
+    }  # fmt: skip
+    rows = packed_rows(DataSpec(**{**recipe["data"], "lengths": LengthSpec(**recipe["data"]["lengths"])}))
+    with pytest.raises(RecipeError, match=rf"of {rows} samples \(the rows data.num_samples 800 packs into\)"):
+        load_recipe(write_recipe(tmp_path, recipe))
