@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hfscale.commands.sweep import build_parser as sweep_parser
-from hfscale.commands.sweep import driver_port, settings_from_args
+from hfscale.commands.sweep import driver_port, script_refusal, settings_from_args
 from hfscale.core.files import os_error_text
 from hfscale.launch.group import LaunchInfo
 from hfscale.launch.plan import SettingError, SweepError, SweepSettings
@@ -72,6 +72,8 @@ def what_the_drivers_refuse(job: SlurmJob) -> str | None:
         return f"the options after --: {exc}"
     if unknown:
         return f"the options after -- are not hfscale sweep's: {shlex.join(unknown)} (hfscale sweep --help lists them)"
+    if (refusal := script_refusal(args, script_args)) is not None:
+        return f"the options after --: {refusal}"
     try:
         settings = settings_from_args(args)
     except SettingError as exc:

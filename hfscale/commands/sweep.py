@@ -193,13 +193,21 @@ def _parse_with_script(parser: argparse.ArgumentParser, argv: list[str]) -> argp
     """
     cut = argv.index("--") if "--" in argv else len(argv)
     args, script_args = parser.parse_args(argv[:cut]), argv[cut + 1 :]
-    if script_args and not args.script:
-        parser.error("arguments after -- are the --script's: give --script TRAIN_PY")
+    if (refusal := script_refusal(args, script_args)) is not None:
+        parser.error(refusal)
     if args.script:
-        if args.resume or not args.recipe:
-            parser.error("--script needs a RECIPE (a resumed run keeps the script its recipe copy names)")
         args.recipe = str(recipe_with_script(args.recipe, args.script, script_args))
     return args
+
+
+def script_refusal(args: argparse.Namespace, script_args: list[str]) -> str | None:
+    """What the sweep refuses in ``--script`` and the arguments after ``--`` (``hfscale slurm`` asks the same before
+    the job waits in the queue); None when they go together."""
+    if script_args and not args.script:
+        return "arguments after -- are the --script's: give --script TRAIN_PY"
+    if args.script and (args.resume or not args.recipe):
+        return "--script needs a RECIPE (a resumed run keeps the script its recipe copy names)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -321,6 +321,11 @@ def test_hfscale_slurm_refuses_what_every_driver_would_refuse_before_the_job_que
          "strategy.num_processes=1 is not a multiple of strategy.num_machines=2"),
         (["--resume", str(tmp_path / "no-run"), "--nodes", "2", "--gpus-per-node", "1"],
          f"--resume {tmp_path / 'no-run'}: no recipe.yaml there; is it a run folder?"),
+        # The drivers' own refusals of --script and what follows a second --.
+        (["cpu_techniques", "--nodes", "1", "--gpus-per-node", "0", "--processes-per-node", "2", "--", "--only",
+          "sdpa", "--", "--lr", "1"], "the options after --: arguments after -- are the --script's: give --script"),
+        (["--resume", str(tmp_path), "--nodes", "2", "--gpus-per-node", "1", "--", "--script", "train.py"],
+         "the options after --: --script needs a RECIPE"),
         # What the sweep's start refuses beyond the recipe (its own search checks): a batch axis under its limit.
         (["cpu_techniques", "--nodes", "1", "--gpus-per-node", "0", "--processes-per-node", "2", "--",
           "--max-batch-limit", "1"], "the largest-batch search's limit 1"),
