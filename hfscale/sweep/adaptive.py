@@ -349,9 +349,10 @@ class AdaptiveSearch:
         self._skip_by_estimate()
         if self.question.noise_floor is None and all(run.repeats < 2 for run in self.firsts):
             self.progress(
-                "every trial runs once (measure.repeats: 1) and no noise floor was given: with no second run there "
-                "is no noise to prune on, so only the memory estimate can spare a run; give measure.repeats 2 or "
-                "more, or --noise-floor (docs/search.md)"
+                "every trial runs once (measure.repeats or --repeats 1) and no noise floor was given: with no second "
+                "run there is no noise to prune on, so a trial leaves the contest only on memory (its estimate, or "
+                "a measured peak over the budget) or when a run or time budget ends the search; give 2 runs or "
+                "more, or a noise floor (--noise-floor, sweep.noise_floor; docs/search.md)"
             )
         while True:
             firsts = self._all_firsts()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from hfscale.records.batch import BatchSearchRecord, max_batch_base, max_batch_name
 from hfscale.workload.lengths import sequences_for_rows
-from hfscale.workload.steps import rows_per_epoch, steps_per_epoch
+from hfscale.workload.steps import BATCHING_ARGS, rows_per_epoch, steps_per_epoch
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -87,9 +87,13 @@ def max_batch_trial(
 
 def _samples_for(spec: TrialSpec, strategy: Strategy) -> int:
     """The samples that give ``strategy`` (the larger batch) as many full optimizer steps per epoch as ``spec``
-    has: for packed data, the sequences that pack into exactly those steps' rows."""
+    has (where its ``training_args`` batch an epoch their own way, as many as its whole batches): for packed data,
+    the sequences that pack into exactly those steps' rows."""
     rows = rows_per_epoch(spec.data) or spec.data.num_samples
-    rows_needed = steps_per_epoch(spec.strategy, rows) * strategy.global_batch_size
+    steps = steps_per_epoch(spec.strategy, rows)
+    if any(spec.training_args.get(key) for key in BATCHING_ARGS):  # drop_last trains the whole batches only
+        steps = max(1, rows // spec.strategy.global_batch_size)
+    rows_needed = steps * strategy.global_batch_size
     return sequences_for_rows(spec.data, rows_needed) if spec.data.packing == "pack" else rows_needed
 
 

@@ -72,8 +72,8 @@ def replicas_beside_tp(strategy: Strategy) -> str | None:
     from 1.16, but nothing averages the gradients across the replicas: accelerate skips the DDP wrap whenever tp is
     on (``Accelerator.prepare_model``)."""
     p = strategy.parallelism
-    if p is None or p.tp == 1 or p.dp_replicate == 1 or p.dp_shard > 1:
-        return None
+    if p is None or p.tp == 1 or p.dp_replicate == 1 or p.dp_shard > 1 or strategy.fsdp is not None:
+        return None  # with FSDP2 there is no DDP wrap to skip: what such a mesh lacks, other checks say
     return (
         f"tp {p.tp} beside {p.dp_replicate} data-parallel replicas alone: the Trainer would not average the "
         "replicas' gradients (accelerate skips the DDP wrap under tensor parallel); shard over the other processes "

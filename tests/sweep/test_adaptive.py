@@ -84,7 +84,9 @@ def test_a_search_of_single_runs_says_it_has_no_noise_to_prune_on(tmp_path, monk
     lines: list[str] = []
     run_sweep(write_recipe(tmp_path, once), run_dir=tmp_path / "once", report=False, progress=lines.append)
     assert sorted(launched) == [(n, 0) for n in sorted(SPEEDS)]  # each once, as the grid; nothing pruned
-    assert any("every trial runs once (measure.repeats: 1) and no noise floor was given" in line for line in lines)
+    assert any(
+        "every trial runs once (measure.repeats or --repeats 1) and no noise floor was given" in line for line in lines
+    )
     lines.clear()
     sweep_twice = {**RECIPE, "trials": [{"name": "a"}, {"name": "b"}]}
     run_sweep(write_recipe(tmp_path, sweep_twice, "twice.yaml"), run_dir=tmp_path / "twice", report=False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers.runs import write_recipe
 
@@ -312,6 +314,15 @@ def test_max_batch_trial_keeps_the_steps_per_epoch_and_the_recipes_repeats():
     assert best.source == "trials[0] at its largest batch (12)"
     assert max_batch_trial(trial, None) is None
     assert max_batch_trial(trial, BatchSearchRecord(searched=False, reason="crashed")) is None
+    # dataloader_drop_last trains the whole batches only: 100 samples at 8 are 12 steps, and 12 steps of 12 at the
+    # largest batch (13 of them trained a step more than the trial).
+    uneven = dataclasses.replace(
+        trial.spec, data=DataSpec(num_samples=100, seq_len=32), training_args={"dataloader_drop_last": True}
+    )
+    uneven = dataclasses.replace(
+        trial, spec=dataclasses.replace(uneven, strategy=uneven.strategy.replace(per_device_batch_size=8))
+    )
+    assert max_batch_trial(uneven, found).spec.data.num_samples == 12 * 12
     none_fits = BatchSearchResult(max_batch_size=None, first_oom_batch_size=1)
     assert max_batch_trial(trial, BatchSearchRecord(searched=True, result=none_fits)) is None
 

@@ -117,6 +117,9 @@ def test_tp_beside_replicas_alone_is_refused_whatever_accelerate_takes():
     hsdp_and_tp = ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2)
     assert mesh.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_and_tp)) is None
     assert mesh.replicas_beside_tp(TP2_CPU) is None
+    # Under FSDP2 there is no DDP wrap to skip: accelerate's own refusal of cp beside the replicas is the one to say.
+    hsdp_cp = ParallelismSpec(dp_replicate=2, tp=2, cp=2)
+    assert mesh.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_cp)) is None
 
 
 def test_script_lines_say_what_a_user_script_needs():

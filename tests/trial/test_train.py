@@ -209,13 +209,15 @@ def test_main_trains_verifies_and_writes_the_result(tmp_path):
 @pytest.mark.parametrize("code", ["recipe", "script", "model-factory", "data-factory"])
 def test_only_a_trials_own_process_imports_the_training_stack_frozen(tmp_path, monkeypatch, process_ends, code):
     """``python -m hfscale.trial`` freezes what the imports leave alive (hfscale.core.collector), user code or not
-    (none has run then); a call in a process that goes on (this one) must not."""
+    (none has run then); a call in a process that goes on (this one) must not. Only hfscale's own model and data
+    then end without the interpreter's teardown: a script's or a factory's objects may have finalisers to run."""
     import hfscale.trial.entry as entry
     from hfscale.workload.spec import ScriptSpec
 
     calls = []
     monkeypatch.setattr(entry, "run_trial", lambda *args, own_process, **kwargs: calls.append(("trial", own_process)))
     monkeypatch.setattr(entry, "run_script", lambda *args, own_process, **kwargs: calls.append(("script", own_process)))
+    monkeypatch.setattr(entry, "exit_without_teardown", lambda code: calls.append(("exit", code)))  # not this pytest
     spec = tiny_spec(
         model=ModelSpec(type="bert", config=TINY_BERT, factory="my_models:build" if code == "model-factory" else None),
         data=DataSpec(num_samples=32, seq_len=32, factory="my_data:build" if code == "data-factory" else None),
@@ -223,7 +225,8 @@ def test_only_a_trials_own_process_imports_the_training_stack_frozen(tmp_path, m
     )
     spec.write(tmp_path / "spec.json")
     assert entry.main([str(tmp_path / "spec.json")], process_ends=process_ends) == 0
-    assert calls == [("script" if code == "script" else "trial", process_ends)]
+    ran = [("script" if code == "script" else "trial", process_ends)]
+    assert calls == ran + ([("exit", 0)] if process_ends and code == "recipe" else [])
 
 
 @pytest.mark.parametrize("own_process", [True, False], ids=["own-process", "in-process"])
