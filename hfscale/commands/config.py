@@ -34,6 +34,7 @@ from hfscale.strategy import (
     StrategyError,
     precision_from_flags,
 )
+from hfscale.techniques.mesh import replicas_beside_tp
 
 PROG = "hfscale config"
 
@@ -259,12 +260,10 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
                 "shard over (--num-processes > --tp)"
             )
         return ParallelismSpec(tp=args.tp, dp_shard=rest)
-    if rest > 1:  # accelerate composes tp with sharded data parallel only
-        raise StrategyError(
-            f"--tp {args.tp} with --num-processes {args.num_processes}: the other {rest} ways of data parallel need "
-            "--fsdp (accelerate composes tensor parallel with FSDP2, not with DDP replicas)"
-        )
-    return ParallelismSpec(tp=args.tp)
+    mesh = ParallelismSpec(tp=args.tp, dp_replicate=rest)
+    if (why := replicas_beside_tp(Strategy(num_processes=args.num_processes, parallelism=mesh))) is not None:
+        raise StrategyError(f"--tp {args.tp} with --num-processes {args.num_processes}: {why}; add --fsdp")
+    return mesh
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from hfscale.records.batch import BatchSearchRecord, max_batch_base, max_batch_name
 from hfscale.workload.lengths import sequences_for_rows
-from hfscale.workload.steps import BATCHING_ARGS, rows_per_epoch, steps_per_epoch
+from hfscale.workload.steps import batches_its_own_way, rows_per_epoch, steps_per_epoch
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -91,7 +91,7 @@ def _samples_for(spec: TrialSpec, strategy: Strategy) -> int:
     the sequences that pack into exactly those steps' rows."""
     rows = rows_per_epoch(spec.data) or spec.data.num_samples
     steps = steps_per_epoch(spec.strategy, rows)
-    if any(spec.training_args.get(key) for key in BATCHING_ARGS):  # drop_last trains the whole batches only
+    if batches_its_own_way(spec.training_args):  # drop_last trains the whole batches only
         steps = max(1, rows // spec.strategy.global_batch_size)
     rows_needed = steps * strategy.global_batch_size
     return sequences_for_rows(spec.data, rows_needed) if spec.data.packing == "pack" else rows_needed

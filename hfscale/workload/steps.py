@@ -51,12 +51,17 @@ accelerate's ``split_batches``, ``even_batches``, ``dispatch_batches``): where a
 to the run."""
 
 
+def batches_its_own_way(training_args: dict[str, object]) -> bool:
+    """Whether ``training_args`` set one of :data:`BATCHING_ARGS`."""
+    return any(training_args.get(key) for key in BATCHING_ARGS)
+
+
 def optimizer_steps(spec: TrialSpec) -> int | None:
     """The optimizer steps a run of ``spec`` trains: ``measure.max_steps`` where given, else its epochs'
     (:func:`epoch_steps`); None when they are known only once it runs (a script's data, or ``training_args`` that
     batch an epoch their own way: :data:`BATCHING_ARGS`)."""
     if spec.measure.max_steps is not None:
         return spec.measure.max_steps
-    if spec.script is not None or any(spec.training_args.get(key) for key in BATCHING_ARGS):
+    if spec.script is not None or batches_its_own_way(spec.training_args):
         return None
     return epoch_steps(spec.strategy, spec.data, spec.measure.num_epochs)

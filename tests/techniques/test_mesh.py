@@ -162,7 +162,10 @@ def test_a_mesh_that_cannot_train_is_refused_at_recipe_load_and_by_the_cli(tmp_p
     with pytest.raises(RecipeError, match=r"trials\[0\]\.parallelism: accelerate refuses this mesh: .*pure data"):
         parse_recipe(recipe, source="x.yaml")
     assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2"]) == 2
-    assert "the other 2 ways of data parallel need --fsdp" in capsys.readouterr().err
+    assert "tp 2 beside 2 data-parallel replicas alone: the Trainer would not average" in (
+        err := capsys.readouterr().err
+    )
+    assert err.rstrip().endswith("; add --fsdp")
     assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 0
     assert "parallelism_config_tp_size: 2" in (tmp_path / "accelerate.yaml").read_text()
 
