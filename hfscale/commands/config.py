@@ -34,7 +34,7 @@ from hfscale.strategy import (
     StrategyError,
     precision_from_flags,
 )
-from hfscale.techniques.mesh import replicas_beside_tp
+from hfscale.techniques.mesh_limits import replicas_beside_tp, tp_beside_other_dims
 
 PROG = "hfscale config"
 
@@ -247,7 +247,9 @@ def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
-    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``)."""
+    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``), refused where it
+    cannot train (the recipe's rules: :func:`~hfscale.techniques.mesh_limits.replicas_beside_tp`,
+    :func:`~hfscale.techniques.mesh_limits.tp_beside_other_dims`)."""
     if args.tp is None:
         return None
     if args.tp < 1 or args.num_processes % args.tp:
@@ -259,10 +261,14 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
                 f"--tp {args.tp} --fsdp with --num-processes {args.num_processes}: FSDP2 needs processes left to "
                 "shard over (--num-processes > --tp)"
             )
-        return ParallelismSpec(tp=args.tp, dp_shard=rest)
-    mesh = ParallelismSpec(tp=args.tp, dp_replicate=rest)
-    if (why := replicas_beside_tp(Strategy(num_processes=args.num_processes, parallelism=mesh))) is not None:
-        raise StrategyError(f"--tp {args.tp} with --num-processes {args.num_processes}: {why}; add --fsdp")
+        mesh = ParallelismSpec(tp=args.tp, dp_shard=rest)
+        fsdp = FsdpSpec(version=2)
+    else:
+        mesh, fsdp = ParallelismSpec(tp=args.tp, dp_replicate=rest), None
+    strategy = Strategy(num_processes=args.num_processes, fsdp=fsdp, parallelism=mesh)
+    for why in (replicas_beside_tp(strategy), tp_beside_other_dims(strategy)):
+        if why is not None:
+            raise StrategyError(f"--tp {args.tp} with --num-processes {args.num_processes}: {why}")
     return mesh
 
 

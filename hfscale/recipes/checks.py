@@ -344,20 +344,18 @@ def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
 
 
 def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
-    """Refuse tensor parallel beside replicas alone (:func:`~hfscale.techniques.mesh.replicas_beside_tp`), a mesh
+    """Refuse a mesh the installed libraries cannot train (:mod:`hfscale.techniques.mesh_limits`: tensor parallel
+    beside replicas alone, or beside any other dimension where transformers loads it through its own mesh), a mesh
     the installed accelerate refuses (context parallel beside replicas alone), and ``parallelism.tp > 1`` for a
     model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial that asks for it
     (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one). Skipped where the
     config cannot be built here: :func:`check_model` has said why, or the trial will."""
-    from hfscale.techniques.mesh import (
-        accelerate_parallelism_config,
-        replicas_beside_tp,
-        tensor_parallel,
-        tp_plan_problem,
-    )
+    from hfscale.techniques.mesh import accelerate_parallelism_config, tensor_parallel, tp_plan_problem
+    from hfscale.techniques.mesh_limits import replicas_beside_tp, tp_beside_other_dims
 
-    if (why := replicas_beside_tp(strategy)) is not None:
-        raise Invalid(join_path(path, "parallelism"), why)
+    for why in (replicas_beside_tp(strategy), tp_beside_other_dims(strategy)):
+        if why is not None:
+            raise Invalid(join_path(path, "parallelism"), why)
     if strategy.parallelism is not None:
         try:  # what accelerate refuses in the sizes, said now
             accelerate_parallelism_config(strategy)

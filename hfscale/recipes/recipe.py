@@ -78,7 +78,12 @@ from hfscale.recipes.schema import (
     ShippedRecipe,
     SweepOptions,
 )
-from hfscale.recipes.training_args import OWNED_TRAINING_ARGS, REFUSED_TRAINING_ARGS, check_training_args
+from hfscale.recipes.training_args import (
+    OWNED_TRAINING_ARGS,
+    REFUSED_TRAINING_ARGS,
+    check_trainer_accepts,
+    check_training_args,
+)
 from hfscale.recipes.workload import check_script_trial, parse_workload, recipe_folder, resolve_factories
 from hfscale.recipes.yaml_text import read_recipe_yaml
 from hfscale.records.batch import MAX_BATCH_SUFFIX
@@ -283,6 +288,8 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
         script=_trial_script(shared.script, entry.script_args),
     )
     check_epoch_steps(spec, join_path(path, "measure") if own else "measure")
+    if shared.script is None:  # a script builds its own arguments
+        check_trainer_accepts(spec, join_path(path, "training_args") if entry.training_args else "training_args")
     batch = entry.batch or shared.batch
     return RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch)
 

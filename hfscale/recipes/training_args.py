@@ -14,7 +14,12 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+from hfscale.configs import training_args_kwargs
 from hfscale.core.validation import Invalid, convert, float_text, join_path
+from hfscale.workload.arguments import trial_training_args
+
+if typing.TYPE_CHECKING:
+    from hfscale.workload.spec import TrialSpec
 
 # TrainingArguments keywords that a trial's strategy or measurement sets; a recipe's `training_args` may not set
 # them (they would be silently overridden), and the message says where they belong instead.
@@ -89,6 +94,46 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
     return out
 
 
+def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
+    """The trial's ``TrainingArguments`` keywords (the recipe's under the strategy's, under the runner's) through
+    ``TrainingArguments``' own checks of their values and combinations, before anything runs.
+
+    :func:`check_training_args` passes ``logging_steps: 0`` or ``dataloader_prefetch_factor`` without workers, which
+    ``TrainingArguments`` refuses only when it is built: inside the trial, a crashed row per trial instead of this
+    message. The arguments are built here up to the point where they would place themselves on a device (on a
+    machine that need not have the trial's device, and without setting up accelerate's state in this process):
+    every check of their own comes before it.
+    """
+    config_path = "deepspeed.json" if spec.strategy.deepspeed is not None else None  # not read before a device
+    kwargs = trial_training_args(spec, training_args_kwargs(spec.strategy, deepspeed_config_path=config_path))
+    kwargs["use_cpu"] = True  # bf16 is refused off CPU where this machine has no GPU, whatever the trial's has
+    try:
+        _unplaced_arguments()(output_dir="unused", **kwargs)
+    except _Placed:
+        return
+    except (ValueError, TypeError) as exc:
+        raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {exc}") from None
+
+
+class _Placed(Exception):
+    """Raised where ``TrainingArguments`` would place itself on a device: its own checks have passed."""
+
+
+@functools.cache
+def _unplaced_arguments() -> type:
+    """``TrainingArguments`` that raise :class:`_Placed` instead of setting up a device."""
+    from transformers import TrainingArguments
+
+    def placed(self: Any) -> Any:
+        raise _Placed
+
+    return type(
+        "UnplacedTrainingArguments",
+        (TrainingArguments,),
+        {"device": property(placed), "_setup_devices": property(placed)},
+    )
+
+
 def _training_args_fields() -> dict[str, Any]:
     """``TrainingArguments``' field names, each with the type its value is checked against (None: not checked here,
     as a mapping or a list is)."""
@@ -119,4 +164,4 @@ def _plain_type(tp: Any) -> Any:
     return functools.reduce(operator.or_, members) if len(members) > 1 else members[0]
 
 
-__all__ = ["OWNED_TRAINING_ARGS", "REFUSED_TRAINING_ARGS", "check_training_args"]
+__all__ = ["OWNED_TRAINING_ARGS", "REFUSED_TRAINING_ARGS", "check_trainer_accepts", "check_training_args"]

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfscale.configs.accelerate import accelerate_section
 from hfscale.techniques.base import ScriptLine, Technique, TrainedRun, patch_once
+from hfscale.techniques.mesh_limits import loads_with_distributed_config
 
 if TYPE_CHECKING:
     from accelerate import ParallelismConfig
@@ -64,21 +65,6 @@ _WELL_KNOWN = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2
 def tensor_parallel(strategy: Strategy) -> bool:
     """Whether ``strategy`` splits Linear weights over a ``tp`` dimension wider than one."""
     return strategy.parallelism is not None and strategy.parallelism.tp > 1
-
-
-def replicas_beside_tp(strategy: Strategy) -> str | None:
-    """Why a mesh of tensor parallel beside data-parallel replicas alone (``tp > 1``, ``dp_replicate > 1``,
-    ``dp_shard == 1``) cannot train here, or None for any other mesh. accelerate refused it until 1.15 and takes it
-    from 1.16, but nothing averages the gradients across the replicas: accelerate skips the DDP wrap whenever tp is
-    on (``Accelerator.prepare_model``)."""
-    p = strategy.parallelism
-    if p is None or p.tp == 1 or p.dp_replicate == 1 or p.dp_shard > 1 or strategy.fsdp is not None:
-        return None  # with FSDP2 there is no DDP wrap to skip: what such a mesh lacks, other checks say
-    return (
-        f"tp {p.tp} beside {p.dp_replicate} data-parallel replicas alone: the Trainer would not average the "
-        "replicas' gradients (accelerate skips the DDP wrap under tensor parallel); shard over the other processes "
-        "with FSDP2 instead (dp_shard, fsdp version 2)"
-    )
 
 
 def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | None:
@@ -189,11 +175,11 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
     path = Path(scratch_dir) / "tp-model"
     save_for_reload(model, path)
     tp = strategy.parallelism.tp  # type: ignore[union-attr]
-    try:  # transformers >= 5.x; tp_plan/tp_size as from_pretrained keywords are deprecated there
+    if loads_with_distributed_config():  # transformers >= 5.x; tp_plan/tp_size as keywords are deprecated there
         from transformers.distributed import DistributedConfig
 
         sharding: dict[str, Any] = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
-    except ImportError:
+    else:
         sharding = {"tp_plan": "auto", "tp_size": tp}
     loaded = type(model).from_pretrained(path, dtype=model.dtype, **sharding)
     logger.info("model loaded sharded for tensor parallel over %d ranks", strategy.parallelism.tp)  # type: ignore[union-attr]

@@ -45,11 +45,11 @@ from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
 from hfscale.trial.train import (
     BuiltTrial,
     import_training_stack,
-    runner_training_args,
     strategy_training_args,
     trial_outcome,
     write_outcome,
 )
+from hfscale.workload.arguments import runner_training_args
 from hfscale.workload.spec import TrialSpec
 
 if TYPE_CHECKING:

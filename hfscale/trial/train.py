@@ -13,9 +13,9 @@ What the runner does, on every rank:
    data and loss curves are comparable between trials;
 3. builds the model from its config with random weights (``AutoConfig.for_model`` + ``from_config``; ``pretrained``
    loads real weights) and the dummy data set (:func:`hfscale.workload.data.make_dataset`);
-4. merges ``TrainingArguments``: the recipe's ``spec.training_args`` under the strategy's keywords, under what the
-   runner owns (:data:`RUNNER_TRAINING_ARGS`: a temporary ``output_dir``, no checkpoints, the step or epoch count
-   from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
+4. merges ``TrainingArguments`` (:mod:`hfscale.workload.arguments`): the recipe's ``spec.training_args`` under the
+   strategy's keywords, under what the runner owns (a temporary ``output_dir``, no checkpoints, the step or epoch
+   count from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
    so a multi-process loss is not multiplied by the world size); the loss curve is recorded on the device
    (:class:`~hfscale.trial.recording.LossRecorder`), not logged every step;
 5. applies every registered technique (:data:`hfscale.techniques.TECHNIQUES`): each loads, then adapts, the model
@@ -56,6 +56,7 @@ from hfscale.core.pids import started_at
 from hfscale.records.row import TrialOutcome, to_json_text
 from hfscale.techniques import TECHNIQUES
 from hfscale.trial.recording import LossRecorder, PhaseTimer, train_phase_clock
+from hfscale.workload.arguments import owned_by_runner, trial_training_args
 from hfscale.workload.model import build_model
 from hfscale.workload.spec import TrialSpec
 
@@ -66,25 +67,6 @@ if TYPE_CHECKING:
     from hfscale.callbacks import MemoryCallback, ThroughputCallback, VerificationCallback
 
 logger = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------------------------------
-# The result file
-# --------------------------------------------------------------------------------------------------------------
-
-DEFAULT_SEED = 42
-"""Seed of every trial whose recipe sets none (``TrainingArguments``' own default)."""
-
-RUNNER_TRAINING_ARGS: dict[str, Any] = {
-    "save_strategy": "no",
-    "eval_strategy": "no",
-    "average_tokens_across_devices": False,
-}
-"""``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
-keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
-times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
-:class:`~hfscale.trial.recording.LossRecorder`, not by logging every step, which would gather and read the loss
-on every step."""
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Building the pieces
@@ -107,33 +89,14 @@ def strategy_training_args(spec: TrialSpec, *, scratch_dir: str | os.PathLike[st
 
 
 def merge_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The ``TrainingArguments`` keywords of a trial, ``output_dir`` aside: recipe < strategy < runner.
-
-    The recipe's ``spec.training_args`` sit under the strategy's keywords, and :data:`RUNNER_TRAINING_ARGS`, the
-    step count from ``spec.measure`` and the seed sit over both. ``report_to`` is ``"none"`` and ``disable_tqdm``
-    true unless the recipe sets them.
-    """
-    merged: dict[str, Any] = {"report_to": "none", "disable_tqdm": True, "dataloader_num_workers": 0}
-    if spec.strategy.device == "cpu":
-        merged["dataloader_pin_memory"] = False  # pinning needs a CUDA runtime
-    merged |= spec.training_args
-    merged |= strategy_kwargs
-    owned = runner_training_args(spec) | {"seed": int(spec.training_args.get("seed", DEFAULT_SEED))}
-    for key, value in owned.items():
+    """:func:`~hfscale.workload.arguments.trial_training_args`, warning of each of the recipe's keywords the runner
+    overrides."""
+    for key, value in owned_by_runner(spec).items():
         if key in spec.training_args and spec.training_args[key] != value:
             logger.warning(
                 "training_args.%s=%r is overridden by the trial runner: %r", key, spec.training_args[key], value
             )
-    merged |= owned
-    merged.pop("output_dir", None)
-    return merged
-
-
-def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
-    """What the runner sets over everything: :data:`RUNNER_TRAINING_ARGS` and the step count of ``spec.measure``."""
-    steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
-        "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
-    return dict(RUNNER_TRAINING_ARGS) | steps
+    return trial_training_args(spec, strategy_kwargs)
 
 
 def fsdp_block_classes(model: PreTrainedModel) -> list[str]:

@@ -382,6 +382,35 @@ def test_training_args_of_the_right_type_load_as_written(tmp_path):
     assert load_recipe(tmp_path / "no.yaml").training_args == {"logging_strategy": "no"}
 
 
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"training_args": {"logging_steps": 0}}, r"x\.yaml: training_args: .*requires non-zero --logging_steps"),
+        (
+            {"training_args": {"dataloader_prefetch_factor": 2}},
+            r"x\.yaml: training_args: .*--dataloader_prefetch_factor can only be set when .*dataloader_num_workers > 0",
+        ),
+        (
+            {"trials": [{"name": "a", "training_args": {"logging_steps": 1.5}}]},
+            r"x\.yaml: trials\[0\]\.training_args: transformers\.TrainingArguments refuses the trial's arguments: "
+            r"--logging_steps must be an integer",
+        ),
+    ],
+)
+def test_training_args_that_transformers_refuses_are_refused_before_anything_runs(tmp_path, section, message):
+    """Values of the right type that TrainingArguments refuses when it is built: refused at load, not a crashed row
+    per trial; the check builds them without setting up a device (accelerate's state stays as it was)."""
+    from accelerate.state import PartialState
+
+    before = dict(PartialState._shared_state)
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write(tmp_path, with_(**section)))
+    assert PartialState._shared_state == before
+    # The runner's own keywords sit over the recipe's: a best model the runner's "no" strategies make consistent.
+    load_recipe(write(tmp_path, with_(training_args={"load_best_model_at_end": True, "bf16_full_eval": True})))
+    assert PartialState._shared_state == before
+
+
 def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_path):
     data = with_(
         sweep={"batch": "both", "max_batch_limit": 16},

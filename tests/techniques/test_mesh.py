@@ -22,7 +22,7 @@ from hfscale.recipes.recipe import parse_recipe
 from hfscale.recipes.schema import RecipeError
 from hfscale.records.measurements import VerificationRecord
 from hfscale.strategy import FsdpSpec, ParallelismSpec, Strategy
-from hfscale.techniques import mesh
+from hfscale.techniques import mesh, mesh_limits
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 
 TINY_LLAMA = dict(
@@ -113,13 +113,13 @@ def test_tp_beside_replicas_alone_is_refused_whatever_accelerate_takes():
     """accelerate 1.16 takes this mesh where 1.15 refused it, but skips the DDP wrap under tp: the replicas'
     gradients would never be averaged."""
     replicas_and_tp = Strategy(num_processes=4, parallelism=ParallelismSpec(dp_replicate=2, tp=2))
-    assert "would not average the replicas' gradients" in mesh.replicas_beside_tp(replicas_and_tp)
+    assert "would not average the replicas' gradients" in mesh_limits.replicas_beside_tp(replicas_and_tp)
     hsdp_and_tp = ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2)
-    assert mesh.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_and_tp)) is None
-    assert mesh.replicas_beside_tp(TP2_CPU) is None
+    assert mesh_limits.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_and_tp)) is None
+    assert mesh_limits.replicas_beside_tp(TP2_CPU) is None
     # Under FSDP2 there is no DDP wrap to skip: accelerate's own refusal of cp beside the replicas is the one to say.
     hsdp_cp = ParallelismSpec(dp_replicate=2, tp=2, cp=2)
-    assert mesh.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_cp)) is None
+    assert mesh_limits.replicas_beside_tp(Strategy(num_processes=8, fsdp=FsdpSpec(), parallelism=hsdp_cp)) is None
 
 
 def test_script_lines_say_what_a_user_script_needs():
@@ -165,9 +165,36 @@ def test_a_mesh_that_cannot_train_is_refused_at_recipe_load_and_by_the_cli(tmp_p
     assert "tp 2 beside 2 data-parallel replicas alone: the Trainer would not average" in (
         err := capsys.readouterr().err
     )
-    assert err.rstrip().endswith("; add --fsdp")
-    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 0
-    assert "parallelism_config_tp_size: 2" in (tmp_path / "accelerate.yaml").read_text()
+    assert err.rstrip().endswith("give tp all 4 processes (the installed transformers loads a tp model beside no "
+                                 "other mesh dimension)")  # fmt: skip
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 2
+    assert "tp 2 beside dp_shard 2: the model is loaded sharded through transformers' DistributedConfig" in (
+        capsys.readouterr().err
+    )
+    assert config_main(["--out", str(tmp_path), "--num-processes", "2", "--tp", "2"]) == 0
+    assert "parallelism_config=accelerate.ParallelismConfig(tp_size=2)" in capsys.readouterr().out
+
+
+def test_tp_beside_any_other_dimension_is_refused_where_transformers_loads_it_through_its_own_mesh(monkeypatch):
+    """transformers 5's DistributedConfig of tp alone builds a mesh that must take every process: FSDP2 x tp was a
+    crashed row per trial ("The parallel mesh requires 2 processes, but world_size is 4", measured on 4 CPU
+    processes); refused at recipe load instead. transformers 4 loads with from_pretrained's own keywords: not
+    refused there."""
+    fsdp_tp = {"name": "fsdp-tp", "num_processes": 4, "fsdp": {"version": 2}, "parallelism": {"dp_shard": 2, "tp": 2}}
+    recipe = {
+        "model": {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA},
+        "data": {"token_high": 256},
+        "trials": [fsdp_tp, {"name": "tp4", "num_processes": 4, "parallelism": {"tp": 4}}],
+    }
+    message = (
+        r"x\.yaml: trials\[0\]\.parallelism: tp 2 beside dp_shard 2: .*the parallel mesh requires 2 processes, but "
+        r"world_size is 4\); give tp all 4 processes"
+    )
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(recipe, source="x.yaml")
+    assert mesh_limits.loads_with_distributed_config()  # the stack this suite runs on: transformers 5
+    monkeypatch.setattr(mesh_limits, "loads_with_distributed_config", lambda: False)
+    assert [t.spec.name for t in parse_recipe(recipe, source="x.yaml").trials] == ["fsdp-tp", "tp4"]
 
 
 # -- verification ----------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from hfscale.records.row import SCHEMA_VERSION, TrialOutcome
 from hfscale.strategy import Strategy
 from hfscale.trial.entry import main
 from hfscale.trial.train import (
-    DEFAULT_SEED,
     LossRecorder,
     fsdp_block_classes,
     merge_training_args,
@@ -24,6 +23,7 @@ from hfscale.trial.train import (
     run_trial,
     write_outcome,
 )
+from hfscale.workload.arguments import DEFAULT_SEED
 from hfscale.workload.model import build_model
 from hfscale.workload.spec import DataSpec, MeasureSpec, ModelSpec, TrialSpec
 

@@ -1,0 +1,59 @@
+"""The ``TrainingArguments`` keywords a recipe trial trains with: the recipe's under the strategy's, under the
+runner's.
+
+The trial builds its ``TrainingArguments`` from them, and the recipe checks them with ``TrainingArguments``' own
+rules before anything runs; both take them from here, so the keywords checked are the keywords trained with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hfscale.workload.spec import TrialSpec
+
+DEFAULT_SEED = 42
+"""Seed of every trial whose recipe sets none (``TrainingArguments``' own default)."""
+
+RUNNER_TRAINING_ARGS: dict[str, Any] = {
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "average_tokens_across_devices": False,
+}
+"""``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
+keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
+times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
+:class:`~hfscale.trial.recording.LossRecorder`, not by logging every step, which would gather and read the loss
+on every step."""
+
+
+def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
+    """What the runner sets over everything: :data:`RUNNER_TRAINING_ARGS` and the step count of ``spec.measure``."""
+    steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
+        "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
+    return dict(RUNNER_TRAINING_ARGS) | steps
+
+
+def owned_by_runner(spec: TrialSpec) -> dict[str, Any]:
+    """:func:`runner_training_args` and the seed (the recipe's, else :data:`DEFAULT_SEED`)."""
+    return runner_training_args(spec) | {"seed": int(spec.training_args.get("seed", DEFAULT_SEED))}
+
+
+def trial_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``TrainingArguments`` keywords of a recipe trial, ``output_dir`` aside: recipe < strategy < runner.
+
+    The recipe's ``spec.training_args`` sit under ``strategy_kwargs`` (the strategy's keywords), and
+    :func:`owned_by_runner` over both. ``report_to`` is ``"none"`` and ``disable_tqdm`` true unless the recipe sets
+    them.
+    """
+    merged: dict[str, Any] = {"report_to": "none", "disable_tqdm": True, "dataloader_num_workers": 0}
+    if spec.strategy.device == "cpu":
+        merged["dataloader_pin_memory"] = False  # pinning needs a CUDA runtime
+    merged |= spec.training_args
+    merged |= strategy_kwargs
+    merged |= owned_by_runner(spec)
+    merged.pop("output_dir", None)
+    return merged
+
+
+__all__ = ["DEFAULT_SEED", "RUNNER_TRAINING_ARGS", "owned_by_runner", "runner_training_args", "trial_training_args"]
