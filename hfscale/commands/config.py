@@ -162,7 +162,12 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         help="ddp: one process per GPU under a launcher; dp: one process driving --num-processes GPUs through "
         "nn.DataParallel (default: %(default)s)",
     )
-    dist.add_argument("--tp", type=int, help="tensor parallel over this many processes (a device mesh)")
+    dist.add_argument(
+        "--tp",
+        type=int,
+        help="tensor parallel over this many processes (a device mesh); with transformers 5 it takes every process "
+        "(--fsdp beside it is refused: transformers' own mesh must span them all)",
+    )
 
 
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
@@ -266,7 +271,7 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
     else:
         mesh, fsdp = ParallelismSpec(tp=args.tp, dp_replicate=rest), None
     strategy = Strategy(num_processes=args.num_processes, fsdp=fsdp, parallelism=mesh)
-    for why in (replicas_beside_tp(strategy), tp_beside_other_dims(strategy)):
+    for why in (replicas_beside_tp(strategy, fsdp_option="(add --fsdp)"), tp_beside_other_dims(strategy)):
         if why is not None:
             raise StrategyError(f"--tp {args.tp} with --num-processes {args.num_processes}: {why}")
     return mesh

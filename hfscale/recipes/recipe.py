@@ -289,9 +289,17 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
     )
     check_epoch_steps(spec, join_path(path, "measure") if own else "measure")
     if shared.script is None:  # a script builds its own arguments
-        check_trainer_accepts(spec, join_path(path, "training_args") if entry.training_args else "training_args")
+        _check_trainer_accepts(spec, shared.training_args, join_path(path, "training_args"))
     batch = entry.batch or shared.batch
     return RecipeTrial(spec=spec, run=trial_run, pinned=pinned, source=path, batch=batch)
+
+
+def _check_trainer_accepts(spec: TrialSpec, recipe_args: dict[str, Any], trial_path: str) -> None:
+    """:func:`check_trainer_accepts` of the trial's arguments, naming the recipe's ``training_args`` where they
+    are refused without the trial's own, else the trial's."""
+    if spec.training_args != recipe_args:
+        check_trainer_accepts(dataclasses.replace(spec, training_args=recipe_args), "training_args")
+    check_trainer_accepts(spec, trial_path if spec.training_args != recipe_args else "training_args")
 
 
 def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSpec | None:

@@ -61,6 +61,16 @@ REFUSED_TRAINING_ARGS: dict[str, str] = {
 }
 
 
+# Values a recipe's `training_args` may not give, and why: the runner's own keywords make them fail.
+REFUSED_TRAINING_VALUES: dict[tuple[str, str], str] = {
+    ("lr_scheduler_type", name): (
+        f"refused: {name} steps on evaluation metrics, and a trial never evaluates (the trial runner sets "
+        "eval_strategy 'no' over the recipe's); use a schedule of the step count (linear, cosine, constant, ...)"
+    )
+    for name in ("reduce_lr_on_plateau", "greedy")
+}
+
+
 def check_training_args(training_args: dict[str, Any], path: str = "training_args") -> dict[str, Any]:
     """The recipe's (or one trial's, at ``path``) ``training_args`` checked against what the strategy owns and what
     ``TrainingArguments`` has; numbers written as ``5e-5`` (a string to PyYAML) become floats where the field is a
@@ -74,6 +84,8 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
             raise Invalid(join_path(path, key), f"expected an integer, got {value!r}")
         if key in REFUSED_TRAINING_ARGS and value:
             raise Invalid(join_path(path, key), REFUSED_TRAINING_ARGS[key])
+        if isinstance(value, str) and (key, value) in REFUSED_TRAINING_VALUES:
+            raise Invalid(join_path(path, key), REFUSED_TRAINING_VALUES[key, value])
         if key in OWNED_TRAINING_ARGS:
             raise Invalid(
                 join_path(path, key),
@@ -102,7 +114,8 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
     ``TrainingArguments`` refuses only when it is built: inside the trial, a crashed row per trial instead of this
     message. The arguments are built here up to the point where they would place themselves on a device (on a
     machine that need not have the trial's device, and without setting up accelerate's state in this process):
-    every check of their own comes before it.
+    every check of the keywords a recipe may set comes before it (what follows reads the strategy's: TF32, FSDP,
+    DeepSpeed).
     """
     config_path = "deepspeed.json" if spec.strategy.deepspeed is not None else None  # not read before a device
     kwargs = trial_training_args(spec, training_args_kwargs(spec.strategy, deepspeed_config_path=config_path))
@@ -111,8 +124,9 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
         _unplaced_arguments()(output_dir="unused", **kwargs)
     except _Placed:
         return
-    except (ValueError, TypeError) as exc:
-        raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {exc}") from None
+    except Exception as exc:  # whatever it raises here (a missing accelerator_config file too), the trial would
+        what = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {what}") from None
 
 
 class _Placed(Exception):
@@ -164,4 +178,10 @@ def _plain_type(tp: Any) -> Any:
     return functools.reduce(operator.or_, members) if len(members) > 1 else members[0]
 
 
-__all__ = ["OWNED_TRAINING_ARGS", "REFUSED_TRAINING_ARGS", "check_trainer_accepts", "check_training_args"]
+__all__ = [
+    "OWNED_TRAINING_ARGS",
+    "REFUSED_TRAINING_ARGS",
+    "REFUSED_TRAINING_VALUES",
+    "check_trainer_accepts",
+    "check_training_args",
+]

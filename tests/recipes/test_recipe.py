@@ -397,18 +397,42 @@ def test_training_args_of_the_right_type_load_as_written(tmp_path):
         ),
     ],
 )
-def test_training_args_that_transformers_refuses_are_refused_before_anything_runs(tmp_path, section, message):
+def test_training_args_that_transformers_refuses_are_refused_before_anything_runs(
+    tmp_path, monkeypatch, section, message
+):
     """Values of the right type that TrainingArguments refuses when it is built: refused at load, not a crashed row
-    per trial; the check builds them without setting up a device (accelerate's state stays as it was)."""
-    from accelerate.state import PartialState
+    per trial; the check builds them without setting up a device (a device set up here fails the test)."""
+    from transformers import TrainingArguments
 
-    before = dict(PartialState._shared_state)
+    def no_device(self):
+        raise AssertionError("the recipe check set up a device")
+
+    monkeypatch.setattr(TrainingArguments, "_setup_devices", property(no_device))
     with pytest.raises(RecipeError, match=message):
         load_recipe(write(tmp_path, with_(**section)))
-    assert PartialState._shared_state == before
     # The runner's own keywords sit over the recipe's: a best model the runner's "no" strategies make consistent.
     load_recipe(write(tmp_path, with_(training_args={"load_best_model_at_end": True, "bf16_full_eval": True})))
-    assert PartialState._shared_state == before
+
+
+def test_a_refused_training_arg_is_named_where_it_is_written(tmp_path):
+    """The recipe's section when it fails without the trial's own; a value a library raises other than ValueError
+    (a missing file) is a message too, not a traceback; a scheduler that needs evaluations says why it cannot be."""
+    trials = [{"name": "a", "training_args": {"learning_rate": 1e-3}}]
+    with pytest.raises(RecipeError, match=r"x\.yaml: training_args: .*requires non-zero --logging_steps"):
+        load_recipe(write(tmp_path, with_(training_args={"logging_steps": 0}, trials=trials)))
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(
+        RecipeError, match=r"x\.yaml: training_args: .*refuses the trial's arguments: FileNotFoundError"
+    ):
+        load_recipe(write(tmp_path, with_(training_args={"accelerator_config": missing})))
+    with pytest.raises(
+        RecipeError, match=r"trials\[0\]\.training_args\.lr_scheduler_type: refused: reduce_lr_on_plateau .*never"
+    ):
+        load_recipe(
+            write(
+                tmp_path, with_(trials=[{"name": "a", "training_args": {"lr_scheduler_type": "reduce_lr_on_plateau"}}])
+            )
+        )
 
 
 def test_batch_axis_and_technique_sections_load_with_dotted_keys_and_names(tmp_path):
