@@ -34,7 +34,7 @@ from hfscale.strategy import (
     StrategyError,
     precision_from_flags,
 )
-from hfscale.techniques.mesh_limits import replicas_beside_tp, tp_beside_other_dims
+from hfscale.techniques.mesh_limits import fsdp_beside_tp, replicas_beside_tp, tp_beside_other_dims
 
 PROG = "hfscale config"
 
@@ -165,8 +165,8 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
     dist.add_argument(
         "--tp",
         type=int,
-        help="tensor parallel over this many processes (a device mesh); with transformers 5 it takes every process "
-        "(--fsdp beside it is refused: transformers' own mesh must span them all)",
+        help="tensor parallel over this many processes (a device mesh); with --fsdp, FSDP2 shards over the rest "
+        "(with transformers 5, by transformers itself when it loads the model: full_shard and its own wrapping)",
     )
 
 
@@ -216,7 +216,7 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         )
     elif args.lora_target or args.qlora or args.lora_alpha is not None or args.lora_dropout is not None:
         raise StrategyError("--lora-target, --lora-alpha, --lora-dropout and --qlora configure LoRA: add --lora-rank")
-    return Strategy(
+    strategy = Strategy(
         name=args.name,
         device=args.device,
         precision=precision_from_flags(fp16=args.fp16, bf16=args.bf16),
@@ -234,6 +234,10 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         parallelism=_mesh_from_args(args),
         **_kernels_from_args(args),
     )
+    if (setting := fsdp_beside_tp(strategy)) is not None:  # the recipe's rule, in the options' names
+        option = "--fsdp" if setting[0] == "sharding" else "--fsdp-layer-cls"
+        raise StrategyError(f"{option} with --tp {args.tp}: {setting[1]}")
+    return strategy
 
 
 def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:

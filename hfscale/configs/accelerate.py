@@ -17,7 +17,8 @@ DataParallel    ``NO`` (``num_processes: 1``)                    one plain proce
 
 A device mesh (``strategy.parallelism``) is written as the ``parallelism_config`` section only with FSDP2: accelerate
 1.15's launcher refuses that section otherwise, and the Trainer takes it as ``TrainingArguments.parallelism_config``
-(:mod:`hfscale.techniques.mesh`).
+(:mod:`hfscale.techniques.mesh`). FSDP2 beside tensor parallel on transformers 5 is launched as DDP is: transformers
+shards the model itself when it loads it (:func:`hfscale.configs.fsdp.fsdp_by_transformers`).
 
 On a CPU-only machine ``MULTI_GPU`` is what starts N real ranks (gloo DDP once ``TrainingArguments.use_cpu`` is
 set); ``MULTI_CPU`` / ``--cpu`` means mpirun and without it starts a single process. So ``use_cpu`` here is only
@@ -29,7 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hfscale.configs.fsdp import fsdp_plugin_kwargs, hybrid_shard_section
+from hfscale.configs.fsdp import fsdp_by_transformers, fsdp_plugin_kwargs, hybrid_shard_section
 from hfscale.strategy import Strategy
 
 pass
@@ -38,7 +39,7 @@ pass
 def _distributed_type(strategy: Strategy) -> str:
     if strategy.deepspeed is not None:
         return "DEEPSPEED"
-    if strategy.fsdp is not None:
+    if strategy.fsdp is not None and not fsdp_by_transformers(strategy):
         return "FSDP"
     if strategy.world_size > 1 or strategy.num_machines > 1:
         return "MULTI_GPU"
@@ -147,7 +148,7 @@ def accelerate_config(
         config["main_process_port"] = int(main_process_port)
     if strategy.deepspeed is not None:
         config["deepspeed_config"] = _deepspeed_section(strategy, deepspeed_config_file)
-    if strategy.fsdp is not None:
+    if strategy.fsdp is not None and not fsdp_by_transformers(strategy):
         config["fsdp_config"] = fsdp_plugin_kwargs(strategy, transformer_layer_cls=transformer_layer_cls)
         mesh = accelerate_section(strategy) or hybrid_shard_section(strategy)
         if mesh:

@@ -16,12 +16,41 @@ expresses as a 2-D device mesh (accelerate's ``parallelism_config``: ``dp_replic
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 from hfscale.strategy import FsdpSpec, Strategy
 
 # FSDP2 checkpoints per rank by default (no gather to rank 0); FSDP1 keeps the HF-compatible single file.
 _STATE_DICT_TYPE = {1: "FULL_STATE_DICT", 2: "SHARDED_STATE_DICT"}
+
+
+@functools.cache
+def loads_with_distributed_config() -> bool:
+    """Whether the installed transformers loads a tensor-parallel model through a ``DistributedConfig`` that takes
+    the mesh's sizes (5.x) rather than ``from_pretrained``'s own ``tp_plan``/``tp_size`` keywords (4.x, whose
+    ``DistributedConfig``, where it has one, is for expert parallelism alone)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return {"tp_size", "fsdp_size"} <= set(inspect.signature(DistributedConfig).parameters)
+
+
+def fsdp_by_transformers(strategy: Strategy) -> bool:
+    """Whether transformers shards the model with FSDP2 itself, when it loads it (FSDP2 beside tensor parallel,
+    where transformers loads tp through ``DistributedConfig``): accelerate then gets no FSDP plugin, and the
+    Trainer prepares the sharded model without wrapping it again (``is_distributed_loading_by_transformers``).
+
+    transformers builds one mesh of ``pp x dp_replicate x fsdp x tp`` from that config, which must take every
+    process, so FSDP2 x tp cannot go through accelerate's FSDP2 on such a transformers: a model loaded with tp alone
+    fails the load on more processes than tp ("The parallel mesh requires 2 processes, but world_size is 4"), and
+    one loaded with the FSDP sizes too is refused by accelerate's FSDP2 prepare (both measured with transformers
+    5.25 and accelerate 1.16 on 4 CPU processes)."""
+    p = strategy.parallelism
+    fsdp2 = strategy.fsdp is not None and strategy.fsdp.version == 2
+    return fsdp2 and p is not None and p.tp > 1 and loads_with_distributed_config()
 
 
 def _spec(strategy: Strategy) -> FsdpSpec:
@@ -83,8 +112,9 @@ def fsdp_plugin_kwargs(strategy: Strategy, *, transformer_layer_cls: str | None 
 
 
 def fsdp_training_args(strategy: Strategy, *, transformer_layer_cls: str | None = None) -> dict[str, Any]:
-    """``fsdp`` and ``fsdp_config`` keywords for ``transformers.TrainingArguments`` (empty without FSDP)."""
-    if strategy.fsdp is None:
+    """``fsdp`` and ``fsdp_config`` keywords for ``transformers.TrainingArguments`` (empty without FSDP, and where
+    transformers shards the model itself: :func:`fsdp_by_transformers`)."""
+    if strategy.fsdp is None or fsdp_by_transformers(strategy):
         return {}
     settings = _settings(strategy, transformer_layer_cls)
     if "transformer_layer_cls_to_wrap" in settings:
@@ -113,4 +143,10 @@ def hybrid_shard_section(strategy: Strategy) -> dict[str, Any]:
     }
 
 
-__all__ = ["fsdp_plugin_kwargs", "fsdp_training_args", "hybrid_shard_section"]
+__all__ = [
+    "fsdp_by_transformers",
+    "fsdp_plugin_kwargs",
+    "fsdp_training_args",
+    "hybrid_shard_section",
+    "loads_with_distributed_config",
+]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hfscale.configs.fsdp import fsdp_training_args
+from hfscale.configs.fsdp import fsdp_by_transformers, fsdp_training_args
 from hfscale.strategy import Strategy
+from hfscale.workload.arguments import average_tokens_across_devices
 
 
 @functools.cache
@@ -59,8 +60,9 @@ def training_args_kwargs(
     if strategy.optimizer is not None:
         # Unset, the Trainer's own default runs (what a user who names none gets); the verification records it.
         kwargs["optim"] = strategy.optimizer
-    # With FSDP, checkpointing is FSDP's own (fsdp_config.activation_checkpointing); the Trainer refuses both.
-    model_ckpt = strategy.gradient_checkpointing and strategy.fsdp is None
+    # With accelerate's FSDP, checkpointing is FSDP's own (fsdp_config.activation_checkpointing); the Trainer refuses
+    # both. Where transformers shards the model itself, the Trainer's is the one there is.
+    model_ckpt = strategy.gradient_checkpointing and (strategy.fsdp is None or fsdp_by_transformers(strategy))
     kwargs[ckpt] = model_ckpt
     if model_ckpt:
         # Non-reentrant checkpointing works with frozen inputs, DDP and ZeRO-3; reentrant is the legacy default.
@@ -70,8 +72,9 @@ def training_args_kwargs(
     kwargs |= fsdp_training_args(strategy, transformer_layer_cls=transformer_layer_cls)
     kwargs |= _kernel_training_args(strategy)
     if strategy.distributed:
-        # Without this the logged loss is the sum over ranks (measured: x world size).
-        kwargs["average_tokens_across_devices"] = False
+        # Off, else the logged loss is the sum over ranks (measured: x world size); on where mesh ranks share a batch,
+        # else the loss is tp x cp x sp too large (hfscale.workload.arguments.average_tokens_across_devices).
+        kwargs["average_tokens_across_devices"] = average_tokens_across_devices(strategy)
     return kwargs
 
 

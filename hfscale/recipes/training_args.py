@@ -40,7 +40,9 @@ OWNED_TRAINING_ARGS: dict[str, str] = {
     "use_cpu": "the recipe's device",
     "no_cuda": "the recipe's device",
     "local_rank": "the launcher",
-    "average_tokens_across_devices": "hfscale for multi-process trials (so the logged loss is not summed over ranks)",
+    "average_tokens_across_devices": (
+        "hfscale for multi-process trials (the loss is neither summed over ranks nor scaled by a device mesh's tp)"
+    ),
     "max_steps": "the recipe's measure.max_steps",
     "num_train_epochs": "the recipe's measure.num_epochs",
     "output_dir": "the sweep (each trial writes into its own folder)",

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hfscale.configs.fsdp import fsdp_by_transformers
 from hfscale.techniques.base import ScriptLine, Technique, patch_once
 
 if TYPE_CHECKING:
@@ -48,8 +49,10 @@ SCRIPT_LINE = "import hfscale.techniques.fsdp_cpu; hfscale.techniques.fsdp_cpu.e
 
 def needed(strategy: Strategy) -> bool:
     """Whether ``strategy`` runs FSDP on CPU, where :func:`enable_fsdp2_on_cpu` is needed (with one process too:
-    accelerate launches FSDP through torchrun, so a single CPU process is a ``MULTI_CPU`` world of one)."""
-    return strategy.fsdp is not None and strategy.device == "cpu"
+    accelerate launches FSDP through torchrun, so a single CPU process is a ``MULTI_CPU`` world of one). Not where
+    transformers shards the model itself (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`): accelerate gets no
+    FSDP there."""
+    return strategy.fsdp is not None and strategy.device == "cpu" and not fsdp_by_transformers(strategy)
 
 
 def enable_fsdp2_on_cpu() -> None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfscale.configs.accelerate import accelerate_section
+from hfscale.configs.fsdp import fsdp_by_transformers, loads_with_distributed_config
 from hfscale.techniques.base import ScriptLine, Technique, TrainedRun, patch_once
-from hfscale.techniques.mesh_limits import loads_with_distributed_config
 
 if TYPE_CHECKING:
     from accelerate import ParallelismConfig
@@ -174,16 +174,28 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
         return model
     path = Path(scratch_dir) / "tp-model"
     save_for_reload(model, path)
-    tp = strategy.parallelism.tp  # type: ignore[union-attr]
     if loads_with_distributed_config():  # transformers >= 5.x; tp_plan/tp_size as keywords are deprecated there
         from transformers.distributed import DistributedConfig
 
-        sharding: dict[str, Any] = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
+        sharding: dict[str, Any] = {"distributed_config": DistributedConfig(**distributed_config_kwargs(strategy))}
     else:
-        sharding = {"tp_plan": "auto", "tp_size": tp}
+        sharding = {"tp_plan": "auto", "tp_size": strategy.parallelism.tp}  # type: ignore[union-attr]
     loaded = type(model).from_pretrained(path, dtype=model.dtype, **sharding)
-    logger.info("model loaded sharded for tensor parallel over %d ranks", strategy.parallelism.tp)  # type: ignore[union-attr]
+    logger.info("model loaded sharded: %s", ", ".join(f"{k} {v}" for k, v in strategy.parallelism.mesh().items()))  # type: ignore[union-attr]
     return loaded
+
+
+def distributed_config_kwargs(strategy: Strategy) -> dict[str, Any]:
+    """transformers' ``DistributedConfig`` keywords for a tp model: its plan and tp size, and where transformers
+    shards it with FSDP2 too (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`), the FSDP size and offload."""
+    p = strategy.parallelism
+    assert p is not None
+    kwargs: dict[str, Any] = {"tp_plan": "auto", "tp_size": p.tp}
+    if fsdp_by_transformers(strategy):
+        kwargs["fsdp_size"] = p.dp_shard
+        if strategy.fsdp is not None and strategy.fsdp.cpu_offload:
+            kwargs["fsdp_cpu_offload"] = True
+    return kwargs
 
 
 def script_lines(strategy: Strategy) -> list[ScriptLine]:
@@ -200,9 +212,15 @@ def script_lines(strategy: Strategy) -> list[ScriptLine]:
         lines.append(
             (
                 "load the model sharded along its tensor-parallel plan (from_config takes none: save a random model "
-                "first)",
-                f"model = AutoModelForCausalLM.from_pretrained(PATH, distributed_config=DistributedConfig("
-                f"tp_plan='auto', tp_size={p.tp}))",
+                "first)"
+                + (
+                    "; transformers shards it with FSDP2 too (the configs give accelerate no FSDP)"
+                    if fsdp_by_transformers(strategy)
+                    else ""
+                ),
+                "model = AutoModelForCausalLM.from_pretrained(PATH, distributed_config=DistributedConfig("
+                + ", ".join(f"{k}={v!r}" for k, v in distributed_config_kwargs(strategy).items())
+                + "))",
             )
         )
     sizes = ", ".join(f"{n}_size={getattr(p, n)}" for n in MESH_DIMS if getattr(p, n) > 1)

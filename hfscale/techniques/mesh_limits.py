@@ -6,8 +6,9 @@ Each rule says why, in a user's terms, or returns None: the recipe check (:mod:`
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
+
+from hfscale.configs.fsdp import fsdp_by_transformers, loads_with_distributed_config
 
 if TYPE_CHECKING:
     from hfscale.strategy import Strategy
@@ -22,48 +23,52 @@ def replicas_beside_tp(strategy: Strategy, *, fsdp_option: str = "(dp_shard, fsd
     p = strategy.parallelism
     if p is None or p.tp == 1 or p.dp_replicate == 1 or p.dp_shard > 1 or strategy.fsdp is not None:
         return None  # with FSDP2 there is no DDP wrap to skip: what such a mesh lacks, other checks say
-    instead = (
-        f"give tp all {p.size} processes (the installed transformers loads a tp model beside no other mesh dimension)"
-        if loads_with_distributed_config()
-        else f"shard over the other processes with FSDP2 instead {fsdp_option}"
-    )
     return (
         f"tp {p.tp} beside {p.dp_replicate} data-parallel replicas alone: the Trainer would not average the "
-        f"replicas' gradients (accelerate skips the DDP wrap under tensor parallel); {instead}"
+        f"replicas' gradients (accelerate skips the DDP wrap under tensor parallel); shard over the other processes "
+        f"with FSDP2 instead {fsdp_option}"
     )
 
 
 def tp_beside_other_dims(strategy: Strategy) -> str | None:
     """Why tensor parallel cannot share the processes with another mesh dimension here, or None.
 
-    The trial loads the model sharded through transformers' ``DistributedConfig`` of tp alone
-    (:func:`hfscale.techniques.mesh.load_tensor_parallel`), and that config builds a mesh of its own,
-    ``pp x dp_replicate x fsdp x tp``, which must take every process: with tp 2 of 4 processes transformers refuses
-    the load ("The parallel mesh requires 2 processes, but world_size is 4"; measured with transformers 5.25 on 4
-    CPU processes, dp_shard 2 x tp 2, every trial a crashed row). Giving it the FSDP sizes too gets past the load,
-    but then the model is sharded by transformers and accelerate's FSDP2 refuses the Trainer's prepare of it
-    (docs/techniques.md). None where tp takes every process, or where transformers has no ``DistributedConfig``
-    that takes tp (4.x: ``tp_plan``/``tp_size``)."""
+    Where transformers loads a tp model through ``DistributedConfig`` (5.x), that config builds one mesh of its
+    own, ``pp x dp_replicate x fsdp x tp``, which must take every process: a model loaded with tp alone on more
+    processes than tp fails the load ("The parallel mesh requires 2 processes, but world_size is 4"; measured with
+    transformers 5.25 on 4 CPU processes, dp_shard 2 x tp 2, every trial a crashed row). The one mesh beside tp
+    hfscale loads that way is FSDP2 over ``dp_shard`` (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`: the
+    model is sharded by transformers at load); any other dimension beside tp is refused. None where tp takes every
+    process, or where transformers has no such ``DistributedConfig`` (4.x: ``tp_plan``/``tp_size``)."""
     p = strategy.parallelism
     if p is None or p.tp == 1 or p.tp == p.size or not loads_with_distributed_config():
         return None
-    others = " x ".join(f"{n} {size}" for n, size in p.mesh().items() if n != "tp")
+    others = {n: size for n, size in p.mesh().items() if n != "tp"}
+    if fsdp_by_transformers(strategy) and set(others) == {"dp_shard"}:
+        return None
+    shown = " x ".join(f"{n} {size}" for n, size in others.items())
     return (
-        f"tp {p.tp} beside {others}: the model is loaded sharded through transformers' DistributedConfig, whose own "
-        f"mesh must take every process (transformers refuses the load: the parallel mesh requires {p.tp} "
-        f"processes, but world_size is {p.size}); give tp all {p.size} processes"
+        f"tp {p.tp} beside {shown}: the installed transformers loads a tp model through its DistributedConfig, whose "
+        "own mesh must take every process, and of the other dimensions hfscale gives it FSDP2's dp_shard alone; "
+        f"shard the other {p.size // p.tp} processes with dp_shard (fsdp version 2), or give tp all {p.size}"
     )
 
 
-def loads_with_distributed_config() -> bool:
-    """Whether the installed transformers loads a tensor-parallel model through a ``DistributedConfig`` that takes
-    the tp sizes (5.x) rather than ``from_pretrained``'s own ``tp_plan``/``tp_size`` keywords (4.x, whose
-    ``DistributedConfig``, where it has one, is for expert parallelism alone)."""
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        return False
-    return "tp_size" in inspect.signature(DistributedConfig).parameters
+def fsdp_beside_tp(strategy: Strategy) -> tuple[str, str] | None:
+    """``(fsdp key, why)`` for an FSDP setting that transformers' own sharding of a tp model does not take
+    (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`), or None. transformers shards every decoder layer with
+    ``reshard_after_forward=True`` along the model's own plan (``full_shard``, its own wrapping) and offloads to the
+    CPU where asked (``DistributedConfig(fsdp_cpu_offload=True)``)."""
+    if not fsdp_by_transformers(strategy):
+        return None
+    fsdp = strategy.fsdp
+    assert fsdp is not None
+    why = "beside tp, transformers shards the model itself when it loads it"
+    if fsdp.sharding != "full_shard":
+        return "sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
+    if fsdp.auto_wrap != "transformer_layer" or fsdp.transformer_layer_cls is not None:
+        return "auto_wrap", f"{why}, one unit per decoder layer by the model's own plan: no other wrapping"
+    return None
 
 
-__all__ = ["loads_with_distributed_config", "replicas_beside_tp", "tp_beside_other_dims"]
+__all__ = ["fsdp_beside_tp", "replicas_beside_tp", "tp_beside_other_dims"]

@@ -15,8 +15,8 @@ What the runner does, on every rank:
    loads real weights) and the dummy data set (:func:`hfscale.workload.data.make_dataset`);
 4. merges ``TrainingArguments`` (:mod:`hfscale.workload.arguments`): the recipe's ``spec.training_args`` under the
    strategy's keywords, under what the runner owns (a temporary ``output_dir``, no checkpoints, the step or epoch
-   count from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices=False``
-   so a multi-process loss is not multiplied by the world size); the loss curve is recorded on the device
+   count from :class:`MeasureSpec`, no ``report_to`` unless the recipe asks, and ``average_tokens_across_devices``
+   as the strategy needs it, so a multi-process loss is not multiplied); the loss curve is recorded on the device
    (:class:`~hfscale.trial.recording.LossRecorder`), not logged every step;
 5. applies every registered technique (:data:`hfscale.techniques.TECHNIQUES`): each loads, then adapts, the model
    (tensor parallelism: reloaded sharded; LoRA: adapters), prepares what ``TrainingArguments`` need (FSDP on CPU:

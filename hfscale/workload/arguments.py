@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hfscale.strategy import Strategy
     from hfscale.workload.spec import TrialSpec
 
 DEFAULT_SEED = 42
@@ -18,20 +19,33 @@ DEFAULT_SEED = 42
 RUNNER_TRAINING_ARGS: dict[str, Any] = {
     "save_strategy": "no",
     "eval_strategy": "no",
-    "average_tokens_across_devices": False,
 }
 """``TrainingArguments`` the runner always sets, over the recipe and the strategy: a trial measures, it does not
-keep checkpoints; and without ``average_tokens_across_devices=False`` the logged loss of an N-process run is N
-times too large. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
+keep checkpoints. Logging is left as the recipe (or transformers' default) has it: the loss curve is recorded by
 :class:`~hfscale.trial.recording.LossRecorder`, not by logging every step, which would gather and read the loss
-on every step."""
+on every step. ``average_tokens_across_devices`` follows the strategy (:func:`average_tokens_across_devices`)."""
+
+
+def average_tokens_across_devices(strategy: Strategy) -> bool:
+    """``TrainingArguments.average_tokens_across_devices`` for ``strategy``: False, unless ranks of a device mesh
+    share a batch (``tp``, ``cp`` or ``sp`` above one).
+
+    With it on, an N-process data-parallel run logged its loss N times too large (measured). But the Trainer
+    divides its token count by ``tp x cp x sp`` either way (``_get_num_items_in_batch``, transformers 5.25), which
+    is right only for the count gathered across devices: with it off, a tp 2 run trained and logged twice the loss
+    (11.1 at the first step of a tiny Llama of 256 tokens, where ln 256 = 5.55 and a single process logs 5.55;
+    measured on 4 CPU processes, dp_shard 2 x tp 2, 2026-12-07; with it on, 5.56)."""
+    p = strategy.parallelism
+    return p is not None and p.tp * p.cp * p.sp > 1
 
 
 def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
-    """What the runner sets over everything: :data:`RUNNER_TRAINING_ARGS` and the step count of ``spec.measure``."""
+    """What the runner sets over everything: :data:`RUNNER_TRAINING_ARGS`, the step count of ``spec.measure`` and
+    :func:`average_tokens_across_devices`."""
     steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
         "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
-    return dict(RUNNER_TRAINING_ARGS) | steps
+    averaged = {"average_tokens_across_devices": average_tokens_across_devices(spec.strategy)}
+    return dict(RUNNER_TRAINING_ARGS) | steps | averaged
 
 
 def owned_by_runner(spec: TrialSpec) -> dict[str, Any]:
@@ -56,4 +70,11 @@ def trial_training_args(spec: TrialSpec, strategy_kwargs: dict[str, Any]) -> dic
     return merged
 
 
-__all__ = ["DEFAULT_SEED", "RUNNER_TRAINING_ARGS", "owned_by_runner", "runner_training_args", "trial_training_args"]
+__all__ = [
+    "DEFAULT_SEED",
+    "RUNNER_TRAINING_ARGS",
+    "average_tokens_across_devices",
+    "owned_by_runner",
+    "runner_training_args",
+    "trial_training_args",
+]

@@ -40,6 +40,7 @@ from hfscale.configs import (
     training_args_kwargs,
     write_configs,
 )
+from hfscale.configs.fsdp import fsdp_by_transformers
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, ParallelismSpec, Strategy
 
 GOLDEN_DIR = GOLDEN
@@ -142,13 +143,14 @@ CASES: dict[str, Case] = {
     "tp2_2proc_cpu": Case(
         Strategy(name="tp2_2proc_cpu", device="cpu", num_processes=2, parallelism=ParallelismSpec(tp=2))
     ),
-    # FSDP2 x tensor parallel (2 x 2): the YAML's parallelism_config section carries the mesh.
+    # FSDP2 x tensor parallel (2 x 2): on transformers 5 the model is sharded by transformers when it loads it, so
+    # the YAML launches it as DDP and carries no FSDP (configs.fsdp.fsdp_by_transformers).
     "fsdp2_tp2_4proc": Case(
         Strategy(
             name="fsdp2_tp2_4proc",
             precision="bf16",
             num_processes=4,
-            fsdp=FsdpSpec(transformer_layer_cls="LlamaDecoderLayer"),
+            fsdp=FsdpSpec(),
             parallelism=ParallelismSpec(dp_shard=2, tp=2),
         )
     ),
@@ -272,14 +274,16 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
     assert loaded.use_cpu == (s.device == "cpu")
 
     launcher, env = launcher_env(generated.accelerate_yaml, monkeypatch)
+    accelerate_fsdp = s.fsdp is not None and not fsdp_by_transformers(s)
     expected_launcher = (
-        "deepspeed" if s.deepspeed else "fsdp" if s.fsdp else "multi_gpu" if s.world_size > 1 else "simple"
+        "deepspeed" if s.deepspeed else "fsdp" if accelerate_fsdp else "multi_gpu" if s.world_size > 1 else "simple"
     )
     assert launcher == expected_launcher
     if s.deepspeed is None:
         want = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[s.precision]
         assert env["ACCELERATE_MIXED_PRECISION"] == want
-    if s.fsdp is not None:
+    assert (env.get("ACCELERATE_USE_FSDP") == "true") == accelerate_fsdp
+    if accelerate_fsdp:
         assert env["ACCELERATE_USE_FSDP"] == "true"
         assert env["FSDP_VERSION"] == str(s.fsdp.version)
         assert env["FSDP_OFFLOAD_PARAMS"] == str(s.fsdp.cpu_offload).lower()
@@ -292,7 +296,9 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
             assert int(env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) * s.num_machines == s.num_processes
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.strategy.fsdp is not None])
+@pytest.mark.parametrize(
+    "name", [n for n, c in CASES.items() if c.strategy.fsdp is not None and not fsdp_by_transformers(c.strategy)]
+)
 def test_fsdp_launcher_and_trainer_build_the_same_plugin(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolated_state: None
 ) -> None:
@@ -474,11 +480,12 @@ def test_training_args_are_accepted_by_transformers(case: Case, tmp_path: Path, 
     assert args.gradient_accumulation_steps == strategy.gradient_accumulation_steps
     if strategy.device == "cpu":
         assert args.use_cpu and args.device.type == "cpu"
-    assert args.gradient_checkpointing is (strategy.gradient_checkpointing and strategy.fsdp is None)
+    accelerate_fsdp = strategy.fsdp is not None and not fsdp_by_transformers(strategy)
+    assert args.gradient_checkpointing is (strategy.gradient_checkpointing and not accelerate_fsdp)
     if args.gradient_checkpointing:
         assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert (args.deepspeed is not None) == (strategy.deepspeed is not None)
-    if strategy.fsdp is None:
+    if not accelerate_fsdp:
         assert not args.fsdp
     else:
         plugin = args.fsdp_plugin_args
@@ -487,8 +494,9 @@ def test_training_args_are_accepted_by_transformers(case: Case, tmp_path: Path, 
         assert plugin.get("cpu_offload", False) is strategy.fsdp.cpu_offload
         wrap = "TRANSFORMER_BASED_WRAP" if strategy.fsdp.auto_wrap == "transformer_layer" else "NO_WRAP"
         assert plugin["auto_wrap_policy"] == wrap
-    if strategy.distributed:
-        assert args.average_tokens_across_devices is False
+    if strategy.distributed:  # on only where mesh ranks share a batch (the Trainer divides the count by tp x cp x sp)
+        p = strategy.parallelism
+        assert args.average_tokens_across_devices is (p is not None and p.tp * p.cp * p.sp > 1)
 
 
 def test_training_args_need_the_deepspeed_path() -> None:

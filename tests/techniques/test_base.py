@@ -11,8 +11,9 @@ from hfscale.strategy import FsdpSpec, Strategy
 from hfscale.techniques import TECHNIQUES, fsdp_cpu, kernels, mesh
 from hfscale.techniques.base import PATCH_MARKER, Technique, TrainedRun, patch_once
 
-HELPER_MODULES = {"base", "deepspeed_checkpointing"}
-"""Modules of hfscale.techniques that are not a technique of their own (the protocol; a part of activation_offload)."""
+HELPER_MODULES = {"base", "deepspeed_checkpointing", "mesh_limits"}
+"""Modules of hfscale.techniques that are not a technique of their own (the protocol; a part of activation_offload;
+the meshes mesh's trials cannot train, which the recipe check and ``hfscale config`` refuse)."""
 
 
 def test_every_technique_module_is_registered_once_under_its_name():

@@ -79,19 +79,22 @@ def test_parallelism_config_carries_the_strategy_sizes():
 
 def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monkeypatch):
     """accelerate launch refuses a parallelism_config section without FSDP2: DDP + tp gets none (the Trainer
-    takes the mesh); FSDP2 + tp gets one, which accelerate's launcher turns into PARALLELISM_CONFIG_* variables."""
+    takes the mesh), nor does FSDP2 + tp where transformers shards the model itself; FSDP2 + cp gets one, which
+    accelerate's launcher turns into PARALLELISM_CONFIG_* variables."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     assert mesh.accelerate_section(TP2_CPU) == {}
     assert "parallelism_config" not in write_configs(TP2_CPU, tmp_path / "ddp").accelerate_yaml.read_text()
-    configs = write_configs(FSDP2_TP2, tmp_path / "fsdp")
+    assert "parallelism_config" not in write_configs(FSDP2_TP2, tmp_path / "tp").accelerate_yaml.read_text()
+    fsdp2_cp2 = FSDP2_TP2.replace(name="fsdp2-cp2", parallelism=ParallelismSpec(dp_shard=2, cp=2))
+    configs = write_configs(fsdp2_cp2, tmp_path / "fsdp")
     args = launch_command_parser().parse_args(["--config_file", str(configs.accelerate_yaml), "x.py"])
     args, _, _ = _validate_launch_command(args)
     args.main_process_port = 0
     env = prepare_multi_gpu_env(args)
     assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
-    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "2")
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_CP_SIZE"]) == ("2", "2")
     # The variables build the same ParallelismConfig the Trainer is given.
     from accelerate import ParallelismConfig
 
@@ -99,7 +102,7 @@ def test_yaml_section_only_where_accelerate_launch_takes_it(tmp_path: Path, monk
         if key.startswith("PARALLELISM_CONFIG_"):
             monkeypatch.setenv(key, value)
     from_env = ParallelismConfig()
-    given = mesh.accelerate_parallelism_config(FSDP2_TP2)
+    given = mesh.accelerate_parallelism_config(fsdp2_cp2)
     assert from_env._sizes == given._sizes
 
 
@@ -165,36 +168,52 @@ def test_a_mesh_that_cannot_train_is_refused_at_recipe_load_and_by_the_cli(tmp_p
     assert "tp 2 beside 2 data-parallel replicas alone: the Trainer would not average" in (
         err := capsys.readouterr().err
     )
-    assert err.rstrip().endswith("give tp all 4 processes (the installed transformers loads a tp model beside no "
-                                 "other mesh dimension)")  # fmt: skip
-    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp"]) == 2
-    assert "tp 2 beside dp_shard 2: the model is loaded sharded through transformers' DistributedConfig" in (
-        capsys.readouterr().err
-    )
-    assert config_main(["--out", str(tmp_path), "--num-processes", "2", "--tp", "2"]) == 0
-    assert "parallelism_config=accelerate.ParallelismConfig(tp_size=2)" in capsys.readouterr().out
+    assert err.rstrip().endswith("with FSDP2 instead (add --fsdp)")
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp", "shard_grad_op"]) == 2
+    assert "--fsdp with --tp 2: beside tp, transformers shards the model itself" in capsys.readouterr().err
 
 
-def test_tp_beside_any_other_dimension_is_refused_where_transformers_loads_it_through_its_own_mesh(monkeypatch):
-    """transformers 5's DistributedConfig of tp alone builds a mesh that must take every process: FSDP2 x tp was a
-    crashed row per trial ("The parallel mesh requires 2 processes, but world_size is 4", measured on 4 CPU
-    processes); refused at recipe load instead. transformers 4 loads with from_pretrained's own keywords: not
-    refused there."""
-    fsdp_tp = {"name": "fsdp-tp", "num_processes": 4, "fsdp": {"version": 2}, "parallelism": {"dp_shard": 2, "tp": 2}}
+def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_own_mesh(tmp_path: Path, capsys):
+    """transformers 5 builds one mesh (pp x dp_replicate x fsdp x tp) from the DistributedConfig a tp model loads
+    with, which must take every process: FSDP2 x tp through accelerate's FSDP2 was a crashed row per trial ("The
+    parallel mesh requires 2 processes, but world_size is 4"). transformers shards the model itself there: the
+    configs give accelerate no FSDP, the model loads with the FSDP size, and what transformers' own sharding does not
+    take (other wrapping, shard_grad_op, other dimensions beside tp) is refused at recipe load."""
+    from hfscale.commands.config import main as config_main
+    from hfscale.configs import accelerate_config, training_args_kwargs
+    from hfscale.configs.fsdp import fsdp_by_transformers, loads_with_distributed_config
+
+    assert loads_with_distributed_config()  # the stack this suite runs on: transformers 5
+    fsdp_tp = Strategy(num_processes=4, fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_shard=2, tp=2))
+    assert fsdp_by_transformers(fsdp_tp) and not fsdp_by_transformers(TP2_CPU)
+    yaml_config = accelerate_config(fsdp_tp)
+    assert yaml_config["distributed_type"] == "MULTI_GPU"  # launched as DDP is: torchrun, no FSDP_* variables
+    assert "fsdp_config" not in yaml_config and "parallelism_config" not in yaml_config
+    assert "fsdp" not in training_args_kwargs(fsdp_tp)
+    assert mesh.distributed_config_kwargs(fsdp_tp) == {"tp_plan": "auto", "tp_size": 2, "fsdp_size": 2}
+    assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp", "full_shard"]) == 0
+    assert "DistributedConfig(tp_plan='auto', tp_size=2, fsdp_size=2)" in capsys.readouterr().out
+
+    def trial(name: str, **fields) -> dict:
+        return {"name": name, "num_processes": 4, "fsdp": {"version": 2}, **fields}
+
     recipe = {
         "model": {"type": "llama", "task": "causal_lm", "config": TINY_LLAMA},
         "data": {"token_high": 256},
-        "trials": [fsdp_tp, {"name": "tp4", "num_processes": 4, "parallelism": {"tp": 4}}],
+        "trials": [trial("fsdp-tp", parallelism={"dp_shard": 2, "tp": 2})],
     }
-    message = (
-        r"x\.yaml: trials\[0\]\.parallelism: tp 2 beside dp_shard 2: .*the parallel mesh requires 2 processes, but "
-        r"world_size is 4\); give tp all 4 processes"
-    )
-    with pytest.raises(RecipeError, match=message):
-        parse_recipe(recipe, source="x.yaml")
-    assert mesh_limits.loads_with_distributed_config()  # the stack this suite runs on: transformers 5
-    monkeypatch.setattr(mesh_limits, "loads_with_distributed_config", lambda: False)
-    assert [t.spec.name for t in parse_recipe(recipe, source="x.yaml").trials] == ["fsdp-tp", "tp4"]
+    assert parse_recipe(recipe, source="x.yaml").trials[0].spec.strategy.parallelism.mesh() == {"dp_shard": 2, "tp": 2}
+    refused = [
+        (trial("a", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "sharding": "shard_grad_op"}),
+         r"trials\[0\]\.fsdp\.sharding: beside tp, transformers shards the model itself .*got shard_grad_op"),
+        (trial("b", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "transformer_layer_cls": "X"}),
+         r"trials\[0\]\.fsdp\.auto_wrap: .*one unit per decoder layer"),
+        (trial("c", num_processes=8, parallelism={"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
+         r"trials\[0\]\.parallelism: tp 2 beside dp_replicate 2 x dp_shard 2: .*FSDP2's dp_shard alone"),
+    ]  # fmt: skip
+    for entry, message in refused:
+        with pytest.raises(RecipeError, match=message):
+            parse_recipe(recipe | {"trials": [entry]}, source="x.yaml")
 
 
 # -- verification ----------------------------------------------------------------------------------------------
@@ -329,24 +348,7 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     """The trial runner loads the model along its plan and accelerate runs the mesh over gloo (with
     :func:`hfscale.techniques.mesh.enable_mesh_on_cpu`): from inside the run, q_proj's weight is a DTensor
     ``Shard(dim=0)`` over a 1-D tp mesh of 2, each rank holds half of every split Linear, and the loss is finite."""
-    from hfscale.trial.train import read_outcome
-
-    spec = TrialSpec(
-        name=TP2_CPU.name,
-        strategy=TP2_CPU,
-        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
-        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
-        measure=MeasureSpec(max_steps=4, warmup_steps=1),
-    )
-    configs = write_configs(TP2_CPU, tmp_path)
-    spec.write(tmp_path / "spec.json")
-    target = ["-m", "hfscale.trial", str(tmp_path / "spec.json"), "--result", str(tmp_path / "result.json")]
-    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert exited_or_aborted_at_teardown(proc.returncode, proc.stderr), proc.stderr[-4000:]
-    outcome = read_outcome(tmp_path / "result.json")
-    assert outcome.status == "ok", outcome.mismatches
+    outcome = _tiny_llama_trial(TP2_CPU, tmp_path)
     v = outcome.verification
     assert v.device_mesh == {"tp": 2}
     assert v.linear_layer == "model.layers.0.self_attn.q_proj"
@@ -357,8 +359,54 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
     assert v.params_total == 115_008
     assert v.params_local_per_rank == [(115_008 - 320) // 2 + 320] * 2
     assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
-    assert all(math.isfinite(x) for x in outcome.loss_curve)
+    assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve  # a random model's, not tp times it
     assert check(TP2_CPU, v) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
+    """dp_shard 2 x tp 2, sharded by transformers when it loads the model (accelerate gets no FSDP): from inside the
+    run the model is an FSDP2 module, q_proj's weight is split over both dimensions of transformers' mesh (``Shard``
+    on tp), each rank holds about a quarter of the split weights, and the verification finds what was asked."""
+    strategy = Strategy(
+        name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(),
+        parallelism=ParallelismSpec(dp_shard=2, tp=2),
+    )  # fmt: skip
+    outcome = _tiny_llama_trial(strategy, tmp_path)
+    v = outcome.verification
+    assert v.device_mesh == {"dp_shard": 2, "tp": 2}
+    assert v.wrapper == "FSDP2" and v.distributed_type == "MULTI_CPU" and v.world_size == 4
+    assert "tp=Shard(dim=0)" in v.linear_weight_placements, v.linear_weight_placements
+    # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over all four ranks.
+    assert v.params_total == 115_008
+    assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
+    assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
+    # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
+    assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
+    assert check(strategy, v) == []
+
+
+def _tiny_llama_trial(strategy: Strategy, folder: Path):
+    """One trial of tiny Llama under ``strategy``, launched as the sweep launches it; its ``ok`` outcome."""
+    from hfscale.trial.train import read_outcome
+
+    spec = TrialSpec(
+        name=strategy.name,
+        strategy=strategy,
+        model=ModelSpec(type="llama", task="causal_lm", config=TINY_LLAMA),
+        data=DataSpec(num_samples=64, seq_len=32, token_high=256),
+        measure=MeasureSpec(max_steps=4, warmup_steps=1),
+    )
+    configs = write_configs(strategy, folder)
+    spec.write(folder / "spec.json")
+    target = ["-m", "hfscale.trial", str(folder / "spec.json"), "--result", str(folder / "result.json")]
+    cmd = launch_command(str(configs.accelerate_yaml), target, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert exited_or_aborted_at_teardown(proc.returncode, proc.stderr), proc.stderr[-4000:]
+    outcome = read_outcome(folder / "result.json")
+    assert outcome.status == "ok", outcome.mismatches
+    return outcome
 
 
 @pytest.mark.multi_gpu
