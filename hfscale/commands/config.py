@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from hfscale.configs.accelerate import user_command
+from hfscale.configs.fsdp import fsdp_by_transformers, transformers_fsdp_refusal
 from hfscale.core.files import os_error_text
 from hfscale.strategy import (
     AttnImplementation,
@@ -34,7 +35,7 @@ from hfscale.strategy import (
     StrategyError,
     precision_from_flags,
 )
-from hfscale.techniques.mesh_limits import fsdp_beside_tp, replicas_beside_tp, tp_beside_other_dims
+from hfscale.techniques.mesh_limits import replicas_beside_tp, tp_beside_other_dims
 
 PROG = "hfscale config"
 
@@ -234,7 +235,7 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         parallelism=_mesh_from_args(args),
         **_kernels_from_args(args),
     )
-    if (setting := fsdp_beside_tp(strategy)) is not None:  # the recipe's rule, in the options' names
+    if (setting := transformers_fsdp_refusal(strategy)) is not None:  # the recipe's rule, in the options' names
         option = "--fsdp" if setting[0] == "sharding" else "--fsdp-layer-cls"
         raise StrategyError(f"{option} with --tp {args.tp}: {setting[1]}")
     return strategy
@@ -329,13 +330,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     for why, line in script_lines(strategy, generated.strategy_json.parent if generated.strategy_json else args.out):
         print(f"\n{why}:\n  {line}")
-    if strategy.fsdp is not None and strategy.fsdp.auto_wrap == "transformer_layer" and not args.fsdp_layer_cls:
-        print(
-            "\nnote: no --fsdp-layer-cls, so FSDP wraps the classes in the model's _no_split_modules; where one of "
-            "them holds the input embedding (BERT's BertEmbeddings) FSDP2 fails ('Invariant encountered'): name the "
-            "block class (--fsdp-layer-cls BertLayer)"
-        )
+    for note in _notes(strategy, args):
+        print(f"\nnote: {note}")
     return 0
+
+
+def _notes(strategy: Strategy, args: argparse.Namespace) -> list[str]:
+    """What the printed configs leave to the user's judgement."""
+    notes = []
+    by_accelerate = strategy.fsdp is not None and not fsdp_by_transformers(strategy)
+    if by_accelerate and strategy.fsdp.auto_wrap == "transformer_layer" and not args.fsdp_layer_cls:  # type: ignore[union-attr]
+        notes.append(
+            "no --fsdp-layer-cls, so FSDP wraps the classes in the model's _no_split_modules; where one of them holds "
+            "the input embedding (BERT's BertEmbeddings) FSDP2 fails ('Invariant encountered'): name the block "
+            "class (--fsdp-layer-cls BertLayer)"
+        )
+    if strategy.parallelism is not None and strategy.parallelism.tp > 1:
+        notes.append(
+            "training_args.json sets average_tokens_across_devices true for a causal LM under tp (its loss divides by "
+            "the token count, which the Trainer divides by tp); set it false for a model whose loss ignores "
+            "num_items_in_batch (sequence classification), which it would multiply by the data-parallel size"
+        )
+    return notes
 
 
 def script_lines(strategy: Strategy, config_dir: Path) -> list[tuple[str, str]]:

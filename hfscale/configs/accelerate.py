@@ -30,7 +30,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hfscale.configs.fsdp import fsdp_by_transformers, fsdp_plugin_kwargs, hybrid_shard_section
+from hfscale.configs.fsdp import (
+    fsdp_by_transformers,
+    fsdp_plugin_kwargs,
+    hybrid_shard_section,
+    transformers_fsdp_refusal,
+)
 from hfscale.strategy import Strategy
 
 pass
@@ -118,9 +123,12 @@ def accelerate_config(
     Raises:
         ValueError: on a machine rank out of range, a multi-machine strategy without ``main_process_ip``, or a
             DeepSpeed config file for a strategy without DeepSpeed, or NVMe offload without a DeepSpeed config
-            file (accelerate does not pass NVMe paths from its YAML to the processes).
+            file (accelerate does not pass NVMe paths from its YAML to the processes), or FSDP settings beside tp
+            that transformers' own sharding does not take (:func:`~hfscale.configs.fsdp.transformers_fsdp_refusal`).
     """
     _check_machine(strategy, machine_rank, main_process_ip)
+    if (refused := transformers_fsdp_refusal(strategy, transformer_layer_cls)) is not None:
+        raise ValueError(f"fsdp.{refused[0]}: {refused[1]}")
     if deepspeed_config_file is not None and strategy.deepspeed is None:
         raise ValueError("deepspeed_config_file given, but the strategy uses no DeepSpeed")
     config: dict[str, Any] = {

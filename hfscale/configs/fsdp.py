@@ -53,6 +53,26 @@ def fsdp_by_transformers(strategy: Strategy) -> bool:
     return fsdp2 and p is not None and p.tp > 1 and loads_with_distributed_config()
 
 
+def transformers_fsdp_refusal(strategy: Strategy, transformer_layer_cls: str | None = None) -> tuple[str, str] | None:
+    """``(fsdp key, why)`` for an FSDP setting that transformers' own sharding of a tp model does not take
+    (:func:`fsdp_by_transformers`), or None. transformers shards every decoder layer with
+    ``reshard_after_forward=True`` along the model's own plan (``full_shard``, its own wrapping) and offloads to the
+    CPU where asked (``DistributedConfig(fsdp_cpu_offload=True)``); ``transformer_layer_cls`` is a block class named
+    beside the strategy's."""
+    if not fsdp_by_transformers(strategy):
+        return None
+    fsdp = _spec(strategy)
+    why = "beside tp, transformers shards the model itself when it loads it"
+    if fsdp.sharding != "full_shard":
+        return "sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
+    if fsdp.auto_wrap != "transformer_layer":
+        return "auto_wrap", f"{why}, one unit per decoder layer by the model's own plan; got {fsdp.auto_wrap}"
+    named = transformer_layer_cls or fsdp.transformer_layer_cls
+    if named is not None:
+        return "transformer_layer_cls", f"{why}, one unit per decoder layer by the model's own plan: not {named}"
+    return None
+
+
 def _spec(strategy: Strategy) -> FsdpSpec:
     if strategy.fsdp is None:
         raise ValueError("the strategy has no FSDP section (strategy.fsdp is None)")
@@ -149,4 +169,5 @@ __all__ = [
     "fsdp_training_args",
     "hybrid_shard_section",
     "loads_with_distributed_config",
+    "transformers_fsdp_refusal",
 ]

@@ -72,9 +72,10 @@ def training_args_kwargs(
     kwargs |= fsdp_training_args(strategy, transformer_layer_cls=transformer_layer_cls)
     kwargs |= _kernel_training_args(strategy)
     if strategy.distributed:
-        # Off, else the logged loss is the sum over ranks (measured: x world size); on where mesh ranks share a batch,
-        # else the loss is tp x cp x sp too large (hfscale.workload.arguments.average_tokens_across_devices).
-        kwargs["average_tokens_across_devices"] = average_tokens_across_devices(strategy)
+        # Off, else a classifier's logged loss is the sum over ranks (measured: x world size); on under tp for a causal
+        # LM, else its loss is tp times too large (hfscale.workload.arguments.average_tokens_across_devices). The
+        # model is not known here: a causal LM is assumed, and `hfscale config` says so under tp.
+        kwargs["average_tokens_across_devices"] = average_tokens_across_devices(strategy, "causal_lm")
     return kwargs
 
 

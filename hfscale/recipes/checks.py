@@ -350,13 +350,14 @@ def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path:
     model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial that asks for it
     (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one). Skipped where the
     config cannot be built here: :func:`check_model` has said why, or the trial will."""
+    from hfscale.configs.fsdp import transformers_fsdp_refusal
     from hfscale.techniques.mesh import accelerate_parallelism_config, tensor_parallel, tp_plan_problem
-    from hfscale.techniques.mesh_limits import fsdp_beside_tp, replicas_beside_tp, tp_beside_other_dims
+    from hfscale.techniques.mesh_limits import replicas_beside_tp, tp_beside_other_dims
 
     for why in (replicas_beside_tp(strategy), tp_beside_other_dims(strategy)):
         if why is not None:
             raise Invalid(join_path(path, "parallelism"), why)
-    if (setting := fsdp_beside_tp(strategy)) is not None:
+    if (setting := transformers_fsdp_refusal(strategy)) is not None:
         raise Invalid(join_path(path, f"fsdp.{setting[0]}"), setting[1])
     if strategy.parallelism is not None:
         try:  # what accelerate refuses in the sizes, said now

@@ -42,7 +42,8 @@ A learning rate of 10 reaches losses of 50-400, hundreds of noise units and > 10
 
 Known logging scales (:func:`annotate_rows`): transformers logs a loss multiplied by the gradient accumulation
 steps when the model accepts loss keywords but its loss ignores ``num_items_in_batch`` (BERT classification in
-transformers 5), and by the world size with several processes unless ``average_tokens_across_devices=False``.
+transformers 5), and by the world size with several processes where ``average_tokens_across_devices`` is on and
+the loss ignores the token count (hfscale turns it on only for a causal LM under tensor parallel).
 The allowed multiples are the trial's accumulation and process-count ratios to the baseline's (and their
 product), when integers >= 2. The scale is detected when the median of ``trial / baseline`` over the first 32
 steps lies within 10 % of one of them; the curve is then divided by it before the check, and the multiple is

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfscale.configs import fsdp as fsdp_configs
 from hfscale.configs.accelerate import accelerate_section
-from hfscale.configs.fsdp import fsdp_by_transformers, loads_with_distributed_config
 from hfscale.techniques.base import ScriptLine, Technique, TrainedRun, patch_once
 
 if TYPE_CHECKING:
@@ -174,7 +174,9 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
         return model
     path = Path(scratch_dir) / "tp-model"
     save_for_reload(model, path)
-    if loads_with_distributed_config():  # transformers >= 5.x; tp_plan/tp_size as keywords are deprecated there
+    if (
+        fsdp_configs.loads_with_distributed_config()
+    ):  # transformers >= 5.x; tp_plan/tp_size as keywords are deprecated there
         from transformers.distributed import DistributedConfig
 
         sharding: dict[str, Any] = {"distributed_config": DistributedConfig(**distributed_config_kwargs(strategy))}
@@ -191,7 +193,7 @@ def distributed_config_kwargs(strategy: Strategy) -> dict[str, Any]:
     p = strategy.parallelism
     assert p is not None
     kwargs: dict[str, Any] = {"tp_plan": "auto", "tp_size": p.tp}
-    if fsdp_by_transformers(strategy):
+    if fsdp_configs.fsdp_by_transformers(strategy):
         kwargs["fsdp_size"] = p.dp_shard
         if strategy.fsdp is not None and strategy.fsdp.cpu_offload:
             kwargs["fsdp_cpu_offload"] = True
@@ -215,7 +217,7 @@ def script_lines(strategy: Strategy) -> list[ScriptLine]:
                 "first)"
                 + (
                     "; transformers shards it with FSDP2 too (the configs give accelerate no FSDP)"
-                    if fsdp_by_transformers(strategy)
+                    if fsdp_configs.fsdp_by_transformers(strategy)
                     else ""
                 ),
                 "model = AutoModelForCausalLM.from_pretrained(PATH, distributed_config=DistributedConfig("

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hfscale.configs.fsdp import fsdp_by_transformers, loads_with_distributed_config
+from hfscale.configs import fsdp as fsdp_configs
 
 if TYPE_CHECKING:
     from hfscale.strategy import Strategy
@@ -41,10 +41,10 @@ def tp_beside_other_dims(strategy: Strategy) -> str | None:
     model is sharded by transformers at load); any other dimension beside tp is refused. None where tp takes every
     process, or where transformers has no such ``DistributedConfig`` (4.x: ``tp_plan``/``tp_size``)."""
     p = strategy.parallelism
-    if p is None or p.tp == 1 or p.tp == p.size or not loads_with_distributed_config():
+    if p is None or p.tp == 1 or p.tp == p.size or not fsdp_configs.loads_with_distributed_config():
         return None
     others = {n: size for n, size in p.mesh().items() if n != "tp"}
-    if fsdp_by_transformers(strategy) and set(others) == {"dp_shard"}:
+    if fsdp_configs.fsdp_by_transformers(strategy) and set(others) == {"dp_shard"}:
         return None
     shown = " x ".join(f"{n} {size}" for n, size in others.items())
     return (
@@ -54,21 +54,4 @@ def tp_beside_other_dims(strategy: Strategy) -> str | None:
     )
 
 
-def fsdp_beside_tp(strategy: Strategy) -> tuple[str, str] | None:
-    """``(fsdp key, why)`` for an FSDP setting that transformers' own sharding of a tp model does not take
-    (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`), or None. transformers shards every decoder layer with
-    ``reshard_after_forward=True`` along the model's own plan (``full_shard``, its own wrapping) and offloads to the
-    CPU where asked (``DistributedConfig(fsdp_cpu_offload=True)``)."""
-    if not fsdp_by_transformers(strategy):
-        return None
-    fsdp = strategy.fsdp
-    assert fsdp is not None
-    why = "beside tp, transformers shards the model itself when it loads it"
-    if fsdp.sharding != "full_shard":
-        return "sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
-    if fsdp.auto_wrap != "transformer_layer" or fsdp.transformer_layer_cls is not None:
-        return "auto_wrap", f"{why}, one unit per decoder layer by the model's own plan: no other wrapping"
-    return None
-
-
-__all__ = ["fsdp_beside_tp", "replicas_beside_tp", "tp_beside_other_dims"]
+__all__ = ["replicas_beside_tp", "tp_beside_other_dims"]

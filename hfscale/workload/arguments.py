@@ -26,17 +26,23 @@ keep checkpoints. Logging is left as the recipe (or transformers' default) has i
 on every step. ``average_tokens_across_devices`` follows the strategy (:func:`average_tokens_across_devices`)."""
 
 
-def average_tokens_across_devices(strategy: Strategy) -> bool:
-    """``TrainingArguments.average_tokens_across_devices`` for ``strategy``: False, unless ranks of a device mesh
-    share a batch (``tp``, ``cp`` or ``sp`` above one).
+def average_tokens_across_devices(strategy: Strategy, task: str = "causal_lm") -> bool:
+    """``TrainingArguments.average_tokens_across_devices`` for ``strategy`` training a model of ``task``: False,
+    unless tensor parallel ranks share a batch (``tp`` above one) and the loss divides by the token count (a causal
+    LM's).
 
-    With it on, an N-process data-parallel run logged its loss N times too large (measured). But the Trainer
-    divides its token count by ``tp x cp x sp`` either way (``_get_num_items_in_batch``, transformers 5.25), which
-    is right only for the count gathered across devices: with it off, a tp 2 run trained and logged twice the loss
-    (11.1 at the first step of a tiny Llama of 256 tokens, where ln 256 = 5.55 and a single process logs 5.55;
-    measured on 4 CPU processes, dp_shard 2 x tp 2, 2026-12-07; with it on, 5.56)."""
+    With it on, an N-process data-parallel run logged its loss N times too large (measured): the Trainer multiplies
+    the loss by the processes that see distinct batches, which cancels only a loss divided by the token count
+    gathered over them. But the Trainer also divides its token count by the ranks that share a batch
+    (``tp x cp x sp``, ``_get_num_items_in_batch``, transformers 5.25), which is right only for the gathered count:
+    with it off, a causal LM under tp 2 trained on, and logged, twice the loss (11.1 at the first step of a tiny
+    Llama of 256 tokens, where ln 256 = 5.55; 5.56 with it on; measured on 4 CPU processes, dp_shard 2 x tp 2, and
+    on 2, tp 2, 2026-12-07). A classifier's loss ignores the count, so under dp_shard 2 x tp 2 it is right with it
+    off and twice too large with it on (measured in a review run: 0.705 against 1.409 at the first step). cp and
+    DeepSpeed's sp leave it off (not measured here: by the Trainer's code cp's loss is the same either way, and sp
+    computes its own, ``deepspeed_sp_compute_loss``)."""
     p = strategy.parallelism
-    return p is not None and p.tp * p.cp * p.sp > 1
+    return p is not None and p.tp > 1 and task == "causal_lm"
 
 
 def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
@@ -44,7 +50,7 @@ def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
     :func:`average_tokens_across_devices`."""
     steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
         "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
-    averaged = {"average_tokens_across_devices": average_tokens_across_devices(spec.strategy)}
+    averaged = {"average_tokens_across_devices": average_tokens_across_devices(spec.strategy, spec.model.task)}
     return dict(RUNNER_TRAINING_ARGS) | steps | averaged
 
 

@@ -189,8 +189,10 @@ def test_compiled_run_is_verified_and_compile_time_is_apart(tmp_path):
     # hfscale's own probes must not split the compiled model (they did: 8 graph breaks, the encoder run eagerly).
     assert rec.compile_graph_breaks == 0
     summary = throughput.summary
-    assert summary.first_step_s is not None and summary.step_time_median_s is not None
-    assert summary.first_step_s > 5 * summary.step_time_median_s  # the compilation is in the first step
+    assert summary.first_step_s is not None and summary.step_time_min_s is not None
+    # The compilation is in the first step. Against the fastest step: a median was outrun under a busy machine (a
+    # test of the same pytest run beside it).
+    assert summary.first_step_s > 5 * summary.step_time_min_s
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -173,7 +173,9 @@ def test_a_mesh_that_cannot_train_is_refused_at_recipe_load_and_by_the_cli(tmp_p
     assert "--fsdp with --tp 2: beside tp, transformers shards the model itself" in capsys.readouterr().err
 
 
-def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_own_mesh(tmp_path: Path, capsys):
+def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_own_mesh(
+    tmp_path: Path, capsys, monkeypatch
+):
     """transformers 5 builds one mesh (pp x dp_replicate x fsdp x tp) from the DistributedConfig a tp model loads
     with, which must take every process: FSDP2 x tp through accelerate's FSDP2 was a crashed row per trial ("The
     parallel mesh requires 2 processes, but world_size is 4"). transformers shards the model itself there: the
@@ -192,7 +194,12 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
     assert "fsdp" not in training_args_kwargs(fsdp_tp)
     assert mesh.distributed_config_kwargs(fsdp_tp) == {"tp_plan": "auto", "tp_size": 2, "fsdp_size": 2}
     assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp", "full_shard"]) == 0
-    assert "DistributedConfig(tp_plan='auto', tp_size=2, fsdp_size=2)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "DistributedConfig(tp_plan='auto', tp_size=2, fsdp_size=2)" in printed
+    assert "--fsdp-layer-cls BertLayer" not in printed  # advice the tp check would refuse
+    assert "set it false for a model whose loss ignores num_items_in_batch" in printed
+    with pytest.raises(ValueError, match=r"fsdp\.transformer_layer_cls: beside tp, .* not LlamaDecoderLayer"):
+        write_configs(fsdp_tp, tmp_path / "api", transformer_layer_cls="LlamaDecoderLayer")  # the API refuses too
 
     def trial(name: str, **fields) -> dict:
         return {"name": name, "num_processes": 4, "fsdp": {"version": 2}, **fields}
@@ -207,13 +214,20 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
         (trial("a", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "sharding": "shard_grad_op"}),
          r"trials\[0\]\.fsdp\.sharding: beside tp, transformers shards the model itself .*got shard_grad_op"),
         (trial("b", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "transformer_layer_cls": "X"}),
-         r"trials\[0\]\.fsdp\.auto_wrap: .*one unit per decoder layer"),
+         r"trials\[0\]\.fsdp\.transformer_layer_cls: .*own plan: not X"),
         (trial("c", num_processes=8, parallelism={"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
          r"trials\[0\]\.parallelism: tp 2 beside dp_replicate 2 x dp_shard 2: .*FSDP2's dp_shard alone"),
     ]  # fmt: skip
     for entry, message in refused:
         with pytest.raises(RecipeError, match=message):
             parse_recipe(recipe | {"trials": [entry]}, source="x.yaml")
+    # Where transformers has no DistributedConfig of the mesh's sizes (4.x), accelerate's FSDP2 shards it as before.
+    import hfscale.configs.fsdp
+
+    monkeypatch.setattr(hfscale.configs.fsdp, "loads_with_distributed_config", lambda: False)
+    assert not fsdp_by_transformers(fsdp_tp)
+    assert accelerate_config(fsdp_tp)["distributed_type"] == "FSDP"
+    assert parse_recipe(recipe, source="x.yaml").trials[0].spec.name == "fsdp-tp"
 
 
 # -- verification ----------------------------------------------------------------------------------------------
@@ -365,12 +379,13 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
 
 @pytest.mark.slow
 def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
-    """dp_shard 2 x tp 2, sharded by transformers when it loads the model (accelerate gets no FSDP): from inside the
-    run the model is an FSDP2 module, q_proj's weight is split over both dimensions of transformers' mesh (``Shard``
-    on tp), each rank holds about a quarter of the split weights, and the verification finds what was asked."""
+    """dp_shard 2 x tp 2 with gradient checkpointing and accumulation, sharded by transformers when it loads the
+    model (accelerate gets no FSDP): from inside the run the model is an FSDP2 module, q_proj's weight is split over
+    both dimensions of transformers' mesh (``Shard`` on tp), each rank holds about a quarter of the split weights,
+    the first loss is a random model's, and the verification finds what was asked."""
     strategy = Strategy(
         name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(),
-        parallelism=ParallelismSpec(dp_shard=2, tp=2),
+        parallelism=ParallelismSpec(dp_shard=2, tp=2), gradient_checkpointing=True, gradient_accumulation_steps=2,
     )  # fmt: skip
     outcome = _tiny_llama_trial(strategy, tmp_path)
     v = outcome.verification
@@ -380,7 +395,8 @@ def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
     # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over all four ranks.
     assert v.params_total == 115_008
     assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
-    assert v.global_batch_size == 4 and outcome.throughput.samples_per_step == 4
+    assert v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8  # 2 a rank x 2 replicas x 2 micro
+    assert v.gradient_checkpointing  # the Trainer's, where transformers shards the model
     # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
     assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
     assert check(strategy, v) == []

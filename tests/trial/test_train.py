@@ -106,6 +106,23 @@ def test_training_args_precedence_recipe_then_strategy_then_runner(caplog):
     assert "output_dir" not in merged
 
 
+def test_tokens_are_averaged_across_devices_only_for_a_causal_lm_under_tp():
+    """The Trainer divides its token count by tp (ranks sharing a batch): right only for the gathered count, which a
+    causal LM's loss divides by (off, tp 2 doubled it); a classifier's loss ignores the count, and with it on the
+    Trainer multiplies that loss by the data-parallel size (dp_shard 2 x tp 2 doubled it)."""
+    from hfscale.strategy import FsdpSpec, ParallelismSpec
+
+    tp2 = CPU.replace(num_processes=2, parallelism=ParallelismSpec(tp=2))
+    fsdp_tp = CPU.replace(num_processes=4, fsdp=FsdpSpec(), parallelism=ParallelismSpec(dp_shard=2, tp=2))
+    ddp = CPU.replace(num_processes=2)
+    causal = ModelSpec(type="llama", task="causal_lm", config={})
+    for strategy, expected in ((tp2, True), (fsdp_tp, True), (ddp, False)):
+        spec = tiny_spec(strategy, model=causal)
+        assert merge_training_args(spec, {})["average_tokens_across_devices"] is expected, strategy
+    classifier = ModelSpec(type="llama", task="classification", config={})
+    assert merge_training_args(tiny_spec(fsdp_tp, model=classifier), {})["average_tokens_across_devices"] is False
+
+
 def test_training_args_epochs_and_seed():
     spec = tiny_spec(measure=MeasureSpec(max_steps=None, num_epochs=2.0), training_args={"seed": 7})
     merged = merge_training_args(spec, {})
