@@ -44,10 +44,11 @@ Known logging scales (:func:`annotate_rows`): transformers logs a loss multiplie
 steps when the model accepts loss keywords but its loss ignores ``num_items_in_batch`` (BERT classification in
 transformers 5), and by the world size with several processes where ``average_tokens_across_devices`` is on and
 the loss ignores the token count (hfscale turns it on only for a causal LM under tensor parallel).
-The allowed multiples are the trial's accumulation and process-count ratios to the baseline's (and their
-product), when integers >= 2. The scale is detected when the median of ``trial / baseline`` over the first 32
-steps lies within 10 % of one of them; the curve is then divided by it before the check, and the multiple is
-stored as ``loss_scale`` (with a note); anything else is compared as is. It is not an exact multiple: another
+The allowed multiples are the trial's accumulation and data-parallel replica ratios to the baseline's (and their
+product), when integers >= 2 (the ranks of a tp, cp or sp group share a batch and are not replicas). The scale is
+detected when the median of ``trial / baseline`` over the first 32 steps lies within 10 % of one of them; the curve
+is then divided by it before the check, and the multiple is stored as ``loss_scale`` (with a note); anything else
+is compared as is. It is not an exact multiple: another
 micro-batch shape draws other dropout masks, and fp16 skips its first steps while the loss scaler calibrates. On
 the H100 the batch-1 x 4-accumulation trials sit at a median 4.08x (fp32) and 4.21x (fp16) of the batch-4
 baseline; after dividing by 4 their smoothed curves stay within 1.3 and 3.0 noise of it, their means within
@@ -68,6 +69,7 @@ from hfscale.records.parity import DEFAULT_NOISE_K, ParityResult
 
 if TYPE_CHECKING:
     from hfscale.records.row import TrialResult
+    from hfscale.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +249,18 @@ def _compare(base: list[float], trial: list[float], settings: _Settings, common:
 
 
 def _known_scales(row: TrialResult, baseline: TrialResult) -> set[int]:
+    """The multiples a logged loss may carry against the baseline's: the accumulation ratio and the ratio of
+    data-parallel replicas (processes that see distinct batches: the ranks of a tp, cp or sp group share one, and a
+    loss scaled by them is a defect to flag, as tp 2 doubling it was)."""
     acc = row.strategy.gradient_accumulation_steps / baseline.strategy.gradient_accumulation_steps
-    procs = row.strategy.num_processes / baseline.strategy.num_processes
+    procs = _replicas(row.strategy) / _replicas(baseline.strategy)
     scales = {acc, procs, acc * procs}
     return {round(s) for s in scales if s >= 2 and abs(s - round(s)) < 1e-9}
+
+
+def _replicas(strategy: Strategy) -> int:
+    """Processes that see distinct batches."""
+    return strategy.global_batch_size // (strategy.per_device_batch_size * strategy.gradient_accumulation_steps)
 
 
 def _logging_scale(

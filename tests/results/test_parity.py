@@ -100,6 +100,23 @@ def test_annotate_rows():
     assert parity["failed"] is None
 
 
+def test_a_loss_scaled_by_ranks_that_share_a_batch_is_flagged_not_rescaled():
+    """Two DDP processes may log twice the loss (two replicas); two tp ranks share one batch, and a tp trial that
+    logged twice the loss trained on it (the Trainer's token count divided by tp): flagged, not divided away."""
+    from hfscale.strategy import ParallelismSpec
+
+    rows = [
+        _row("base", FLAT, baseline=True, per_device_batch_size=8),
+        _row("ddp2", [2 * x for x in FLAT], per_device_batch_size=4, num_processes=2),
+        _row("tp2", [2 * x for x in FLAT], per_device_batch_size=8, num_processes=2,
+             parallelism=ParallelismSpec(tp=2)),
+    ]  # fmt: skip
+    annotate_rows(rows)
+    parity = {r.trial: r.parity for r in rows}
+    assert not parity["ddp2"].flagged and parity["ddp2"].loss_scale == 2
+    assert parity["tp2"].compared and parity["tp2"].flagged and parity["tp2"].loss_scale == 1
+
+
 def test_annotate_rows_without_a_finished_baseline():
     rows = [_row("base", [], baseline=True, status="crashed"), _row("other", FLAT)]
     annotate_rows(rows)
