@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from hfscale.configs.accelerate import user_command
-from hfscale.configs.fsdp import fsdp_by_transformers, transformers_fsdp_refusal
+from hfscale.configs.fsdp import fsdp_by_accelerate, transformers_fsdp_refusal
 from hfscale.core.files import os_error_text
 from hfscale.strategy import (
     AttnImplementation,
@@ -235,10 +235,20 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         parallelism=_mesh_from_args(args),
         **_kernels_from_args(args),
     )
-    if (setting := transformers_fsdp_refusal(strategy)) is not None:  # the recipe's rule, in the options' names
+    _refuse_what_cannot_train(strategy, args)
+    return strategy
+
+
+def _refuse_what_cannot_train(strategy: Strategy, args: argparse.Namespace) -> None:
+    """The recipe's rules for a mesh (:mod:`hfscale.techniques.mesh_limits`,
+    :func:`~hfscale.configs.fsdp.transformers_fsdp_refusal`), in the options' names."""
+    mesh = f"--tp {args.tp} with --num-processes {args.num_processes}"
+    for why in (replicas_beside_tp(strategy, fsdp_option="(add --fsdp)"), tp_beside_other_dims(strategy)):
+        if why is not None:
+            raise StrategyError(f"{mesh}: {why}")
+    if (setting := transformers_fsdp_refusal(strategy)) is not None:
         option = "--fsdp" if setting[0] == "sharding" else "--fsdp-layer-cls"
         raise StrategyError(f"{option} with --tp {args.tp}: {setting[1]}")
-    return strategy
 
 
 def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,9 +267,8 @@ def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
-    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``), refused where it
-    cannot train (the recipe's rules: :func:`~hfscale.techniques.mesh_limits.replicas_beside_tp`,
-    :func:`~hfscale.techniques.mesh_limits.tp_beside_other_dims`)."""
+    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``), else replicas
+    (refused with the rest of the strategy: :func:`_refuse_what_cannot_train`)."""
     if args.tp is None:
         return None
     if args.tp < 1 or args.num_processes % args.tp:
@@ -271,15 +280,8 @@ def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
                 f"--tp {args.tp} --fsdp with --num-processes {args.num_processes}: FSDP2 needs processes left to "
                 "shard over (--num-processes > --tp)"
             )
-        mesh = ParallelismSpec(tp=args.tp, dp_shard=rest)
-        fsdp = FsdpSpec(version=2)
-    else:
-        mesh, fsdp = ParallelismSpec(tp=args.tp, dp_replicate=rest), None
-    strategy = Strategy(num_processes=args.num_processes, fsdp=fsdp, parallelism=mesh)
-    for why in (replicas_beside_tp(strategy, fsdp_option="(add --fsdp)"), tp_beside_other_dims(strategy)):
-        if why is not None:
-            raise StrategyError(f"--tp {args.tp} with --num-processes {args.num_processes}: {why}")
-    return mesh
+        return ParallelismSpec(tp=args.tp, dp_shard=rest)
+    return ParallelismSpec(tp=args.tp, dp_replicate=rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 def _notes(strategy: Strategy, args: argparse.Namespace) -> list[str]:
     """What the printed configs leave to the user's judgement."""
     notes = []
-    by_accelerate = strategy.fsdp is not None and not fsdp_by_transformers(strategy)
-    if by_accelerate and strategy.fsdp.auto_wrap == "transformer_layer" and not args.fsdp_layer_cls:  # type: ignore[union-attr]
+    if fsdp_by_accelerate(strategy) and strategy.fsdp.auto_wrap == "transformer_layer" and not args.fsdp_layer_cls:  # type: ignore[union-attr]
         notes.append(
             "no --fsdp-layer-cls, so FSDP wraps the classes in the model's _no_split_modules; where one of them holds "
             "the input embedding (BERT's BertEmbeddings) FSDP2 fails ('Invariant encountered'): name the block "

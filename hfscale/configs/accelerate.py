@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from hfscale.configs.fsdp import (
-    fsdp_by_transformers,
+    fsdp_by_accelerate,
     fsdp_plugin_kwargs,
     hybrid_shard_section,
     transformers_fsdp_refusal,
@@ -44,7 +44,7 @@ pass
 def _distributed_type(strategy: Strategy) -> str:
     if strategy.deepspeed is not None:
         return "DEEPSPEED"
-    if strategy.fsdp is not None and not fsdp_by_transformers(strategy):
+    if fsdp_by_accelerate(strategy):
         return "FSDP"
     if strategy.world_size > 1 or strategy.num_machines > 1:
         return "MULTI_GPU"
@@ -156,7 +156,7 @@ def accelerate_config(
         config["main_process_port"] = int(main_process_port)
     if strategy.deepspeed is not None:
         config["deepspeed_config"] = _deepspeed_section(strategy, deepspeed_config_file)
-    if strategy.fsdp is not None and not fsdp_by_transformers(strategy):
+    if fsdp_by_accelerate(strategy):
         config["fsdp_config"] = fsdp_plugin_kwargs(strategy, transformer_layer_cls=transformer_layer_cls)
         mesh = accelerate_section(strategy) or hybrid_shard_section(strategy)
         if mesh:

@@ -53,6 +53,13 @@ def fsdp_by_transformers(strategy: Strategy) -> bool:
     return fsdp2 and p is not None and p.tp > 1 and loads_with_distributed_config()
 
 
+def fsdp_by_accelerate(strategy: Strategy) -> bool:
+    """Whether accelerate applies the strategy's FSDP (its plugin, the YAML's ``fsdp_config``, the Trainer's
+    ``fsdp`` keywords, the ``FSDP`` distributed type): wherever there is FSDP and transformers does not shard the
+    model itself (:func:`fsdp_by_transformers`)."""
+    return strategy.fsdp is not None and not fsdp_by_transformers(strategy)
+
+
 def transformers_fsdp_refusal(strategy: Strategy, transformer_layer_cls: str | None = None) -> tuple[str, str] | None:
     """``(fsdp key, why)`` for an FSDP setting that transformers' own sharding of a tp model does not take
     (:func:`fsdp_by_transformers`), or None. transformers shards every decoder layer with
@@ -134,7 +141,7 @@ def fsdp_plugin_kwargs(strategy: Strategy, *, transformer_layer_cls: str | None 
 def fsdp_training_args(strategy: Strategy, *, transformer_layer_cls: str | None = None) -> dict[str, Any]:
     """``fsdp`` and ``fsdp_config`` keywords for ``transformers.TrainingArguments`` (empty without FSDP, and where
     transformers shards the model itself: :func:`fsdp_by_transformers`)."""
-    if strategy.fsdp is None or fsdp_by_transformers(strategy):
+    if not fsdp_by_accelerate(strategy):
         return {}
     settings = _settings(strategy, transformer_layer_cls)
     if "transformer_layer_cls_to_wrap" in settings:
@@ -164,6 +171,7 @@ def hybrid_shard_section(strategy: Strategy) -> dict[str, Any]:
 
 
 __all__ = [
+    "fsdp_by_accelerate",
     "fsdp_by_transformers",
     "fsdp_plugin_kwargs",
     "fsdp_training_args",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hfscale.configs.fsdp import fsdp_by_transformers, fsdp_training_args
+from hfscale.configs.fsdp import fsdp_by_accelerate, fsdp_training_args
 from hfscale.strategy import Strategy
 from hfscale.workload.arguments import average_tokens_across_devices
 
@@ -62,7 +62,7 @@ def training_args_kwargs(
         kwargs["optim"] = strategy.optimizer
     # With accelerate's FSDP, checkpointing is FSDP's own (fsdp_config.activation_checkpointing); the Trainer refuses
     # both. Where transformers shards the model itself, the Trainer's is the one there is.
-    model_ckpt = strategy.gradient_checkpointing and (strategy.fsdp is None or fsdp_by_transformers(strategy))
+    model_ckpt = strategy.gradient_checkpointing and not fsdp_by_accelerate(strategy)
     kwargs[ckpt] = model_ckpt
     if model_ckpt:
         # Non-reentrant checkpointing works with frozen inputs, DDP and ZeRO-3; reentrant is the legacy default.
@@ -75,7 +75,7 @@ def training_args_kwargs(
         # Off, else a classifier's logged loss is the sum over ranks (measured: x world size); on under tp for a causal
         # LM, else its loss is tp times too large (hfscale.workload.arguments.average_tokens_across_devices). The
         # model is not known here: a causal LM is assumed, and `hfscale config` says so under tp.
-        kwargs["average_tokens_across_devices"] = average_tokens_across_devices(strategy, "causal_lm")
+        kwargs["average_tokens_across_devices"] = average_tokens_across_devices(strategy, task="causal_lm")
     return kwargs
 
 

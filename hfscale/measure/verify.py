@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from hfscale.configs.fsdp import fsdp_by_transformers
+from hfscale.configs.fsdp import fsdp_by_accelerate
 from hfscale.core.collective import all_gather_object
 from hfscale.measure.readback import (
     LinearDtypeProbe,
@@ -218,7 +218,7 @@ def _expected_wrapper(strategy: Strategy) -> Wrapper:
 def _expected_distributed_types(strategy: Strategy) -> tuple[str, ...]:
     if strategy.deepspeed is not None:
         return ("DEEPSPEED",)
-    if strategy.fsdp is not None and not fsdp_by_transformers(strategy):  # else accelerate sees a tp model
+    if fsdp_by_accelerate(strategy):  # else accelerate sees the tp model transformers sharded
         return ("FSDP",)
     if strategy.distributed:
         return ("MULTI_CPU",) if strategy.device == "cpu" else ("MULTI_GPU",)

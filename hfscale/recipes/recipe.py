@@ -297,9 +297,10 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
 def _check_trainer_accepts(spec: TrialSpec, recipe_args: dict[str, Any], trial_path: str) -> None:
     """:func:`check_trainer_accepts` of the trial's arguments, naming the recipe's ``training_args`` where they
     are refused without the trial's own, else the trial's."""
-    if spec.training_args != recipe_args:
+    own = spec.training_args != recipe_args
+    if own:
         check_trainer_accepts(dataclasses.replace(spec, training_args=recipe_args), "training_args")
-    check_trainer_accepts(spec, trial_path if spec.training_args != recipe_args else "training_args")
+    check_trainer_accepts(spec, trial_path if own else "training_args")
 
 
 def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSpec | None:

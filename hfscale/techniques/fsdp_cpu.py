@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hfscale.configs.fsdp import fsdp_by_transformers
+from hfscale.configs.fsdp import fsdp_by_accelerate
 from hfscale.techniques.base import ScriptLine, Technique, patch_once
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def needed(strategy: Strategy) -> bool:
     accelerate launches FSDP through torchrun, so a single CPU process is a ``MULTI_CPU`` world of one). Not where
     transformers shards the model itself (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`): accelerate gets no
     FSDP there."""
-    return strategy.fsdp is not None and strategy.device == "cpu" and not fsdp_by_transformers(strategy)
+    return fsdp_by_accelerate(strategy) and strategy.device == "cpu"
 
 
 def enable_fsdp2_on_cpu() -> None:

@@ -174,9 +174,8 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
         return model
     path = Path(scratch_dir) / "tp-model"
     save_for_reload(model, path)
-    if (
-        fsdp_configs.loads_with_distributed_config()
-    ):  # transformers >= 5.x; tp_plan/tp_size as keywords are deprecated there
+    # transformers 5 loads through DistributedConfig (tp_plan/tp_size as keywords are deprecated there); 4 without.
+    if fsdp_configs.loads_with_distributed_config():
         from transformers.distributed import DistributedConfig
 
         sharding: dict[str, Any] = {"distributed_config": DistributedConfig(**distributed_config_kwargs(strategy))}

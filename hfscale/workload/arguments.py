@@ -26,7 +26,7 @@ keep checkpoints. Logging is left as the recipe (or transformers' default) has i
 on every step. ``average_tokens_across_devices`` follows the strategy (:func:`average_tokens_across_devices`)."""
 
 
-def average_tokens_across_devices(strategy: Strategy, task: str = "causal_lm") -> bool:
+def average_tokens_across_devices(strategy: Strategy, *, task: str) -> bool:
     """``TrainingArguments.average_tokens_across_devices`` for ``strategy`` training a model of ``task``: False,
     unless tensor parallel ranks share a batch (``tp`` above one) and the loss divides by the token count (a causal
     LM's).
@@ -50,7 +50,7 @@ def runner_training_args(spec: TrialSpec) -> dict[str, Any]:
     :func:`average_tokens_across_devices`."""
     steps = {"max_steps": spec.measure.max_steps} if spec.measure.max_steps is not None else {
         "max_steps": -1, "num_train_epochs": spec.measure.num_epochs}  # fmt: skip
-    averaged = {"average_tokens_across_devices": average_tokens_across_devices(spec.strategy, spec.model.task)}
+    averaged = {"average_tokens_across_devices": average_tokens_across_devices(spec.strategy, task=spec.model.task)}
     return dict(RUNNER_TRAINING_ARGS) | steps | averaged
 
 

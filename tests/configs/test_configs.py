@@ -40,7 +40,7 @@ from hfscale.configs import (
     training_args_kwargs,
     write_configs,
 )
-from hfscale.configs.fsdp import fsdp_by_transformers
+from hfscale.configs.fsdp import fsdp_by_accelerate
 from hfscale.strategy import DeepSpeedSpec, FsdpSpec, ParallelismSpec, Strategy
 
 GOLDEN_DIR = GOLDEN
@@ -274,7 +274,7 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
     assert loaded.use_cpu == (s.device == "cpu")
 
     launcher, env = launcher_env(generated.accelerate_yaml, monkeypatch)
-    accelerate_fsdp = s.fsdp is not None and not fsdp_by_transformers(s)
+    accelerate_fsdp = fsdp_by_accelerate(s)
     expected_launcher = (
         "deepspeed" if s.deepspeed else "fsdp" if accelerate_fsdp else "multi_gpu" if s.world_size > 1 else "simple"
     )
@@ -296,9 +296,7 @@ def test_accelerate_yaml_loads_and_launches_as_intended(
             assert int(env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) * s.num_machines == s.num_processes
 
 
-@pytest.mark.parametrize(
-    "name", [n for n, c in CASES.items() if c.strategy.fsdp is not None and not fsdp_by_transformers(c.strategy)]
-)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if fsdp_by_accelerate(c.strategy)])
 def test_fsdp_launcher_and_trainer_build_the_same_plugin(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolated_state: None
 ) -> None:
@@ -480,7 +478,7 @@ def test_training_args_are_accepted_by_transformers(case: Case, tmp_path: Path, 
     assert args.gradient_accumulation_steps == strategy.gradient_accumulation_steps
     if strategy.device == "cpu":
         assert args.use_cpu and args.device.type == "cpu"
-    accelerate_fsdp = strategy.fsdp is not None and not fsdp_by_transformers(strategy)
+    accelerate_fsdp = fsdp_by_accelerate(strategy)
     assert args.gradient_checkpointing is (strategy.gradient_checkpointing and not accelerate_fsdp)
     if args.gradient_checkpointing:
         assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
