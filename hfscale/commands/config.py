@@ -247,7 +247,7 @@ def _refuse_what_cannot_train(strategy: Strategy, args: argparse.Namespace) -> N
         if why is not None:
             raise StrategyError(f"{mesh}: {why}")
     if (setting := transformers_fsdp_refusal(strategy)) is not None:
-        option = "--fsdp" if setting[0] == "sharding" else "--fsdp-layer-cls"
+        option = {"fsdp.transformer_layer_cls": "--fsdp-layer-cls", "precision": "--fp16"}.get(setting[0], "--fsdp")
         raise StrategyError(f"{option} with --tp {args.tp}: {setting[1]}")
 
 

@@ -128,7 +128,7 @@ def accelerate_config(
     """
     _check_machine(strategy, machine_rank, main_process_ip)
     if (refused := transformers_fsdp_refusal(strategy, transformer_layer_cls)) is not None:
-        raise ValueError(f"fsdp.{refused[0]}: {refused[1]}")
+        raise ValueError(f"{refused[0]}: {refused[1]}")
     if deepspeed_config_file is not None and strategy.deepspeed is None:
         raise ValueError("deepspeed_config_file given, but the strategy uses no DeepSpeed")
     config: dict[str, Any] = {

@@ -61,22 +61,25 @@ def fsdp_by_accelerate(strategy: Strategy) -> bool:
 
 
 def transformers_fsdp_refusal(strategy: Strategy, transformer_layer_cls: str | None = None) -> tuple[str, str] | None:
-    """``(fsdp key, why)`` for an FSDP setting that transformers' own sharding of a tp model does not take
+    """``(the trial's key, why)`` for a setting that transformers' own sharding of a tp model does not take
     (:func:`fsdp_by_transformers`), or None. transformers shards every decoder layer with
-    ``reshard_after_forward=True`` along the model's own plan (``full_shard``, its own wrapping) and offloads to the
-    CPU where asked (``DistributedConfig(fsdp_cpu_offload=True)``); ``transformer_layer_cls`` is a block class named
-    beside the strategy's."""
+    ``reshard_after_forward=True`` along the model's own plan (``full_shard``, its own wrapping), offloads to the
+    CPU where asked (``DistributedConfig(fsdp_cpu_offload=True)``) and gathers the parameters in bf16 where asked
+    (``fsdp_mixed_precision=True``, bf16 only: fp16 is refused, its gathers would stay fp32);
+    ``transformer_layer_cls`` is a block class named beside the strategy's."""
     if not fsdp_by_transformers(strategy):
         return None
     fsdp = _spec(strategy)
     why = "beside tp, transformers shards the model itself when it loads it"
     if fsdp.sharding != "full_shard":
-        return "sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
+        return "fsdp.sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
     if fsdp.auto_wrap != "transformer_layer":
-        return "auto_wrap", f"{why}, one unit per decoder layer by the model's own plan; got {fsdp.auto_wrap}"
+        return "fsdp.auto_wrap", f"{why}, one unit per decoder layer by the model's own plan; got {fsdp.auto_wrap}"
     named = transformer_layer_cls or fsdp.transformer_layer_cls
     if named is not None:
-        return "transformer_layer_cls", f"{why}, one unit per decoder layer by the model's own plan: not {named}"
+        return "fsdp.transformer_layer_cls", f"{why}, one unit per decoder layer by the model's own plan: not {named}"
+    if strategy.precision == "fp16":
+        return "precision", f"{why}, and its FSDP casts the parameters to bf16 only (fp16 would gather fp32): use bf16"
     return None
 
 

@@ -215,6 +215,27 @@ def _fsdp_facts(model_wrapped: Any, model: Any, wrapper: Wrapper) -> tuple[FsdpS
         return None, None
 
 
+def _fsdp2_param_dtype(model: Any, wrapper: Wrapper) -> str | None:
+    """The dtype(s) FSDP2 gathers the floating-point parameters in (:attr:`VerificationRecord.fsdp_param_dtype`),
+    read from each unit's parameters after training: the policy's ``param_dtype``, else the stored dtype."""
+    if wrapper != "FSDP2":
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        dtypes = {
+            str(fsdp_param.param_dtype or fsdp_param.orig_dtype).removeprefix("torch.")
+            for module in model.modules()
+            if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None
+            for fsdp_param in group.fsdp_params
+            if fsdp_param.orig_dtype.is_floating_point
+        }
+    except (ImportError, AttributeError) as exc:
+        logger.warning("FSDP2's parameter dtype could not be read (torch internals moved?): %s", exc)
+        return None
+    return ",".join(sorted(dtypes)) or None
+
+
 def _global_batch_size(trainer: Any, model_wrapped: Any, wrapper: Wrapper, world_size: int) -> int | None:
     if wrapper == "DeepSpeedEngine":
         return int(model_wrapped.train_batch_size())

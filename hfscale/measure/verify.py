@@ -28,6 +28,8 @@ field                         read from
 ``fsdp_sharding``,            FSDP2: whether the wrapped blocks reshard after forward (``full_shard``, on a 2-D
 ``fsdp_cpu_offload``          mesh ``hybrid_shard``) or not (``shard_grad_op``) and the ``CPUOffloadPolicy``;
                               FSDP1: the wrapper's ``sharding_strategy`` and ``cpu_offload.offload_params``
+``fsdp_param_dtype``          FSDP2: the dtype each unit gathers its parameters in (the ``MixedPrecisionPolicy``'s
+                              ``param_dtype``, else the stored dtype): bf16 gathers, not autocast alone
 ``global_batch_size``         samples per optimizer step across ranks: as the trial counted them in the batches,
                               else the DeepSpeed engine's ``train_batch_size()``, else the Trainer's batch (after any
                               change it made) x accumulation steps x processes
@@ -38,10 +40,10 @@ field                         read from
 :func:`check` turns a record and a :class:`~hfscale.strategy.Strategy` into a list of mismatches in words; the
 trial runner makes any mismatch a ``not_applied`` result, never a silent row. Every field of the strategy is
 compared with what ran: processes and device, the engine (distributed type and wrapper), ZeRO stage and offloads,
-FSDP sharding and offload, whether parameters are sharded, precision (accelerate's setting and the dtype a Linear
-produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under offload), gradient checkpointing
-and the global batch (per-device batch x accumulation x processes). A field the record could not read (None:
-an older record, or a library whose internals moved) is left out of the comparison rather than guessed.
+FSDP sharding, offload and gather dtype, whether parameters are sharded, precision (accelerate's setting and the
+dtype a Linear produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under offload), gradient
+checkpointing and the global batch (per-device batch x accumulation x processes). A field the record could not
+read (None: an older record, or a library whose internals moved) is left out of the comparison rather than guessed.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from hfscale.configs.fsdp import fsdp_by_accelerate
 from hfscale.core.collective import all_gather_object
 from hfscale.measure.readback import (
     LinearDtypeProbe,
+    _fsdp2_param_dtype,
     _fsdp_facts,
     _global_batch_size,
     _gradient_checkpointing,
@@ -160,6 +163,7 @@ def collect(
         **_optimizer_fields(optimizer_chain),
         fsdp_sharding=fsdp_sharding,
         fsdp_cpu_offload=fsdp_offload,
+        fsdp_param_dtype=_fsdp2_param_dtype(model, wrapper),
         global_batch_size=samples_per_step,
         gradient_checkpointing=_gradient_checkpointing(model),
         **_technique_fields(TrainedRun(trainer=trainer, world_size=world_size, attention_probe=attention_probe)),
@@ -330,6 +334,12 @@ def _fsdp_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     if rec.fsdp_cpu_offload is not None and rec.fsdp_cpu_offload != fsdp.cpu_offload:
         problems.append(
             f"FSDP CPU offload is {rec.fsdp_cpu_offload}, fsdp.cpu_offload={fsdp.cpu_offload} was asked for"
+        )
+    half = {"bf16": "bfloat16", "fp16": "float16"}.get(strategy.precision)
+    if half is not None and rec.fsdp_param_dtype not in (None, half):
+        problems.append(
+            f"FSDP2 gathers the parameters in {rec.fsdp_param_dtype}, not {half}: precision {strategy.precision} "
+            "runs as autocast alone, with full-precision gathers"
         )
     return problems
 

@@ -358,7 +358,7 @@ def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path:
         if why is not None:
             raise Invalid(join_path(path, "parallelism"), why)
     if (setting := transformers_fsdp_refusal(strategy)) is not None:
-        raise Invalid(join_path(path, f"fsdp.{setting[0]}"), setting[1])
+        raise Invalid(join_path(path, setting[0]), setting[1])
     if strategy.parallelism is not None:
         try:  # what accelerate refuses in the sizes, said now
             accelerate_parallelism_config(strategy)

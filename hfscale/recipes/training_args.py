@@ -127,8 +127,27 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
     except _Placed:
         return
     except Exception as exc:  # whatever it raises here (a missing accelerator_config file too), the trial would
+        null = _null_where_a_value_is_needed(spec.training_args) if isinstance(exc, TypeError) else None
+        if null is not None:
+            raise Invalid(
+                join_path(path, null),
+                f"null, where transformers.TrainingArguments needs a value ({exc}): give one, or leave the key out "
+                "for its default",
+            ) from None
         what = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {what}") from None
+
+
+def _null_where_a_value_is_needed(training_args: dict[str, Any]) -> str | None:
+    """The first key given null whose field's type has no None: the likely cause of a ``TypeError`` from
+    ``TrainingArguments`` (``logging_steps: null`` is compared with a number). Nulls pass the type check on purpose
+    (the Trainer reads ``max_grad_norm: null`` as off), so only the failure tells them apart."""
+    fields = _training_args_fields()
+    for key, value in training_args.items():
+        field_type = fields.get(key)
+        if value is None and field_type is not None and type(None) not in get_args(field_type):
+            return key
+    return None
 
 
 class _Placed(Exception):

@@ -275,6 +275,10 @@ class VerificationRecord:
     FSDP or where it could not be read."""
     fsdp_cpu_offload: bool | None = None
     """Whether FSDP keeps the sharded parameters in CPU memory; None without FSDP or where it could not be read."""
+    fsdp_param_dtype: str | None = None
+    """FSDP2: the dtype its units gather the parameters in for forward and backward (its ``MixedPrecisionPolicy``'s
+    ``param_dtype``, else the stored one; several, comma-separated, where the units differ); None without FSDP2 or
+    where it could not be read."""
     global_batch_size: int | None = None
     """Samples per optimizer step across every rank; None where it could not be read."""
     gradient_checkpointing: bool = False

@@ -188,7 +188,9 @@ def load_tensor_parallel(model: PreTrainedModel, strategy: Strategy, scratch_dir
 
 def distributed_config_kwargs(strategy: Strategy) -> dict[str, Any]:
     """transformers' ``DistributedConfig`` keywords for a tp model: its plan and tp size, and where transformers
-    shards it with FSDP2 too (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`), the FSDP size and offload."""
+    shards it with FSDP2 too (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`), the FSDP size, offload and, under
+    bf16, bf16 gathers (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: without it FSDP
+    gathers the fp32 weights and bf16 is autocast alone, twice the gathered bytes the estimate counts)."""
     p = strategy.parallelism
     assert p is not None
     kwargs: dict[str, Any] = {"tp_plan": "auto", "tp_size": p.tp}
@@ -196,6 +198,8 @@ def distributed_config_kwargs(strategy: Strategy) -> dict[str, Any]:
         kwargs["fsdp_size"] = p.dp_shard
         if strategy.fsdp is not None and strategy.fsdp.cpu_offload:
             kwargs["fsdp_cpu_offload"] = True
+        if strategy.precision == "bf16":
+            kwargs["fsdp_mixed_precision"] = True
     return kwargs
 
 

@@ -425,6 +425,11 @@ def test_a_refused_training_arg_is_named_where_it_is_written(tmp_path):
         RecipeError, match=r"x\.yaml: training_args: .*refuses the trial's arguments: FileNotFoundError"
     ):
         load_recipe(write(tmp_path, with_(training_args={"accelerator_config": missing})))
+    # A null the Trainer cannot take is named at its key, not as Python's comparison error under the section.
+    with pytest.raises(
+        RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where .*needs a value .*leave the key out"
+    ):
+        load_recipe(write(tmp_path, with_(training_args={"logging_steps": None})))
     with pytest.raises(
         RecipeError, match=r"trials\[0\]\.training_args\.lr_scheduler_type: refused: reduce_lr_on_plateau .*never"
     ):

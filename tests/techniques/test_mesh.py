@@ -193,6 +193,14 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
     assert "fsdp_config" not in yaml_config and "parallelism_config" not in yaml_config
     assert "fsdp" not in training_args_kwargs(fsdp_tp)
     assert mesh.distributed_config_kwargs(fsdp_tp) == {"tp_plan": "auto", "tp_size": 2, "fsdp_size": 2}
+    # bf16 gathers where bf16 is asked (without it transformers' FSDP gathered the fp32 weights); fp16 it has not.
+    bf16 = mesh.distributed_config_kwargs(fsdp_tp.replace(precision="bf16"))
+    assert bf16 == {"tp_plan": "auto", "tp_size": 2, "fsdp_size": 2, "fsdp_mixed_precision": True}
+    assert (
+        config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp", "full_shard", "--fp16"])
+        == 2
+    )
+    assert "--fp16 with --tp 2: beside tp, transformers shards the model itself" in capsys.readouterr().err
     assert config_main(["--out", str(tmp_path), "--num-processes", "4", "--tp", "2", "--fsdp", "full_shard"]) == 0
     printed = capsys.readouterr().out
     assert "DistributedConfig(tp_plan='auto', tp_size=2, fsdp_size=2)" in printed
@@ -215,6 +223,8 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
          r"trials\[0\]\.fsdp\.sharding: beside tp, transformers shards the model itself .*got shard_grad_op"),
         (trial("b", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "transformer_layer_cls": "X"}),
          r"trials\[0\]\.fsdp\.transformer_layer_cls: .*own plan: not X"),
+        (trial("p", parallelism={"dp_shard": 2, "tp": 2}, precision="fp16"),
+         r"trials\[0\]\.precision: beside tp, .*casts the parameters to bf16 only .*use bf16"),
         (trial("c", num_processes=8, parallelism={"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
          r"trials\[0\]\.parallelism: tp 2 beside dp_replicate 2 x dp_shard 2: .*FSDP2's dp_shard alone"),
     ]  # fmt: skip
@@ -379,12 +389,13 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
 
 @pytest.mark.slow
 def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
-    """dp_shard 2 x tp 2 with gradient checkpointing and accumulation, sharded by transformers when it loads the
-    model (accelerate gets no FSDP): from inside the run the model is an FSDP2 module, q_proj's weight is split over
-    both dimensions of transformers' mesh (``Shard`` on tp), each rank holds about a quarter of the split weights,
-    the first loss is a random model's, and the verification finds what was asked."""
+    """dp_shard 2 x tp 2 in bf16 with gradient checkpointing and accumulation, sharded by transformers when it loads
+    the model (accelerate gets no FSDP): from inside the run the model is an FSDP2 module, q_proj's weight is split
+    over both dimensions of transformers' mesh (``Shard`` on tp), each rank holds about a quarter of the split
+    weights, FSDP gathers them in bf16 (before, fp32: autocast alone), the first loss is a random model's, and the
+    verification finds what was asked."""
     strategy = Strategy(
-        name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(),
+        name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
         parallelism=ParallelismSpec(dp_shard=2, tp=2), gradient_checkpointing=True, gradient_accumulation_steps=2,
     )  # fmt: skip
     outcome = _tiny_llama_trial(strategy, tmp_path)
@@ -397,6 +408,11 @@ def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
     assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
     assert v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8  # 2 a rank x 2 replicas x 2 micro
     assert v.gradient_checkpointing  # the Trainer's, where transformers shards the model
+    assert v.fsdp_param_dtype == "bfloat16" and v.linear_output_dtype == "bfloat16"
+    assert check(strategy, dataclasses.replace(v, fsdp_param_dtype="float32")) == [
+        "FSDP2 gathers the parameters in float32, not bfloat16: precision bf16 runs as autocast alone, with "
+        "full-precision gathers"
+    ]
     # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
     assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
     assert check(strategy, v) == []
