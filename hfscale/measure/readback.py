@@ -231,7 +231,8 @@ def _fsdp2_param_dtype(model: Any, wrapper: Wrapper) -> str | None:
             if fsdp_param.orig_dtype.is_floating_point
         }
     except (ImportError, AttributeError) as exc:
-        logger.warning("FSDP2's parameter dtype could not be read (torch internals moved?): %s", exc)
+        # FSDP2 sets its dtypes up at the first forward: a run that never took a step has none yet.
+        logger.warning("FSDP2's parameter dtype could not be read (no forward yet, or torch internals moved): %s", exc)
         return None
     return ",".join(sorted(dtypes)) or None
 

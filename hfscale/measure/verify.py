@@ -37,13 +37,14 @@ field                         read from
                               activation checkpointing)
 ============================  =====================================================================================
 
-:func:`check` turns a record and a :class:`~hfscale.strategy.Strategy` into a list of mismatches in words; the
-trial runner makes any mismatch a ``not_applied`` result, never a silent row. Every field of the strategy is
-compared with what ran: processes and device, the engine (distributed type and wrapper), ZeRO stage and offloads,
-FSDP sharding, offload and gather dtype, whether parameters are sharded, precision (accelerate's setting and the
-dtype a Linear produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under offload), gradient
-checkpointing and the global batch (per-device batch x accumulation x processes). A field the record could not
-read (None: an older record, or a library whose internals moved) is left out of the comparison rather than guessed.
+:func:`check` turns a record and a :class:`~hfscale.strategy.Strategy` into a list of mismatches in words; the trial
+runner makes any mismatch a ``not_applied`` result, never a silent row. Every field of the strategy is compared with
+what ran: processes and device, the engine (distributed type and wrapper), ZeRO stage and offloads, FSDP sharding
+and offload (and FSDP2's gather dtype under half precision), whether parameters are sharded, precision (accelerate's
+setting and the dtype a Linear produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under
+offload), gradient checkpointing and the global batch (per-device batch x accumulation x processes). A field the
+record could not read (None: an older record, or a library whose internals moved) is left out of the comparison
+rather than guessed.
 """
 
 from __future__ import annotations
@@ -319,7 +320,8 @@ def _deepspeed_problems(strategy: Strategy, rec: VerificationRecord) -> list[str
 
 
 def _fsdp_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
-    """FSDP's sharding and CPU offload (nothing without FSDP, or where the record could not read them)."""
+    """FSDP's sharding, CPU offload and FSDP2's gather dtype (nothing without FSDP, or where the record could not read
+    them)."""
     fsdp = strategy.fsdp
     if fsdp is None:
         return []
@@ -335,13 +337,20 @@ def _fsdp_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
         problems.append(
             f"FSDP CPU offload is {rec.fsdp_cpu_offload}, fsdp.cpu_offload={fsdp.cpu_offload} was asked for"
         )
-    half = {"bf16": "bfloat16", "fp16": "float16"}.get(strategy.precision)
-    if half is not None and rec.fsdp_param_dtype not in (None, half):
-        problems.append(
-            f"FSDP2 gathers the parameters in {rec.fsdp_param_dtype}, not {half}: precision {strategy.precision} "
-            "runs as autocast alone, with full-precision gathers"
-        )
+    problems += _gather_dtype_problems(strategy, rec)
     return problems
+
+
+def _gather_dtype_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
+    """FSDP2 under half precision: every unit gathers its parameters in the half type (not read: nothing said)."""
+    half = {"bf16": "bfloat16", "fp16": "float16"}.get(strategy.precision)
+    ran = rec.fsdp_param_dtype
+    if half is None or ran is None or ran == half:
+        return []
+    if half in ran.split(","):
+        return [f"FSDP2 gathers the parameters in {ran}, not {half} alone: some units gather another dtype"]
+    why = "runs as autocast alone, with full-precision gathers" if ran == "float32" else f"asks for {half}"
+    return [f"FSDP2 gathers the parameters in {ran}, not {half}: precision {strategy.precision} {why}"]
 
 
 def _sharding_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:

@@ -122,36 +122,48 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
     config_path = "deepspeed.json" if spec.strategy.deepspeed is not None else None  # not read before a device
     kwargs = trial_training_args(spec, training_args_kwargs(spec.strategy, deepspeed_config_path=config_path))
     kwargs["use_cpu"] = True  # bf16 is refused off CPU where this machine has no GPU, whatever the trial's has
+    refused = _refusal(kwargs)
+    if refused is None:
+        return
+    null = _null_that_fails(spec.training_args, kwargs) if isinstance(refused, TypeError) else None
+    if null is not None:
+        raise Invalid(
+            join_path(path, null),
+            f"null, where transformers.TrainingArguments needs a value ({refused}): give one, or leave the key out "
+            "for its default",
+        )
+    what = str(refused) if isinstance(refused, ValueError) else f"{type(refused).__name__}: {refused}"
+    raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {what}")
+
+
+def _refusal(kwargs: dict[str, Any]) -> Exception | None:
+    """What ``TrainingArguments(**kwargs)`` raises before it would place itself on a device, or None. Any exception
+    (a missing accelerator_config file too): the trial would raise it."""
     try:
         _unplaced_arguments()(output_dir="unused", **kwargs)
     except _Placed:
-        return
-    except Exception as exc:  # whatever it raises here (a missing accelerator_config file too), the trial would
-        null = _null_where_a_value_is_needed(spec.training_args) if isinstance(exc, TypeError) else None
-        if null is not None:
-            raise Invalid(
-                join_path(path, null),
-                f"null, where transformers.TrainingArguments needs a value ({exc}): give one, or leave the key out "
-                "for its default",
-            ) from None
-        what = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        raise Invalid(path, f"transformers.TrainingArguments refuses the trial's arguments: {what}") from None
+        return None
+    except Exception as exc:
+        return exc
+    return None
 
 
-def _null_where_a_value_is_needed(training_args: dict[str, Any]) -> str | None:
-    """The first key given null whose field's type has no None: the likely cause of a ``TypeError`` from
-    ``TrainingArguments`` (``logging_steps: null`` is compared with a number). Nulls pass the type check on purpose
-    (the Trainer reads ``max_grad_norm: null`` as off), so only the failure tells them apart."""
-    fields = _training_args_fields()
+def _null_that_fails(training_args: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
+    """The key given null without which ``kwargs`` pass (``logging_steps: null`` is compared with a number), or
+    None. Nulls pass the type check on purpose (the Trainer reads ``max_grad_norm: null`` as off), so only taking
+    one out tells the null that fails from one the Trainer takes."""
     for key, value in training_args.items():
-        field_type = fields.get(key)
-        if value is None and field_type is not None and type(None) not in get_args(field_type):
+        if value is None and key in kwargs and kwargs[key] is None and _refusal(_without(kwargs, key)) is None:
             return key
     return None
 
 
 class _Placed(Exception):
     """Raised where ``TrainingArguments`` would place itself on a device: its own checks have passed."""
+
+
+def _without(kwargs: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != key}
 
 
 @functools.cache

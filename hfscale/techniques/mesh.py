@@ -81,14 +81,24 @@ def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | Non
         return None
     from accelerate import ParallelismConfig
 
-    return ParallelismConfig(
-        dp_replicate_size=p.dp_replicate,
-        dp_shard_size=p.dp_shard,
-        tp_size=p.tp,
-        cp_size=p.cp,
-        sp_size=p.sp,
-        sp_backend="deepspeed",
-    )
+    sizes = accelerate_mesh(strategy)
+    return ParallelismConfig(**{f"{n}_size": sizes.get(n, 1) for n in MESH_DIMS}, sp_backend="deepspeed")
+
+
+def accelerate_mesh(strategy: Strategy) -> dict[str, int]:
+    """The mesh accelerate builds for ``strategy.parallelism`` (the dimensions wider than one): the strategy's own,
+    except where transformers shards the model with HSDP itself
+    (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`, ``dp_replicate > 1``): accelerate then only places the
+    data, over every data-parallel rank as one ``dp_shard`` dimension. The Trainer sets ``dp_shard`` to the model's
+    data-parallel size, replicas included, and keeps a ``dp_replicate`` it is given: ``dp_replicate 2 x dp_shard 2
+    x tp 2`` became a mesh of 16 on 8 processes (measured, transformers 5.25)."""
+    p = strategy.parallelism
+    if p is None:
+        return {}
+    mesh = p.mesh()
+    if fsdp_configs.fsdp_by_transformers(strategy) and p.dp_replicate > 1:
+        mesh = {"dp_shard": p.dp_replicate * p.dp_shard} | {n: s for n, s in mesh.items() if not n.startswith("dp_")}
+    return mesh
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -196,6 +206,8 @@ def distributed_config_kwargs(strategy: Strategy) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"tp_plan": "auto", "tp_size": p.tp}
     if fsdp_configs.fsdp_by_transformers(strategy):
         kwargs["fsdp_size"] = p.dp_shard
+        if p.dp_replicate > 1:
+            kwargs["dp_replicate_size"] = p.dp_replicate
         if strategy.fsdp is not None and strategy.fsdp.cpu_offload:
             kwargs["fsdp_cpu_offload"] = True
         if strategy.precision == "bf16":
@@ -228,7 +240,7 @@ def script_lines(strategy: Strategy) -> list[ScriptLine]:
                 + "))",
             )
         )
-    sizes = ", ".join(f"{n}_size={getattr(p, n)}" for n in MESH_DIMS if getattr(p, n) > 1)
+    sizes = ", ".join(f"{n}_size={size}" for n, size in accelerate_mesh(strategy).items())
     sp = ", sp_backend='deepspeed'" if p.sp > 1 else ""
     lines.append(
         (
@@ -402,7 +414,7 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     """
     problems: list[str] = []
     p = strategy.parallelism
-    asked = p.mesh() if p is not None else {}
+    asked = accelerate_mesh(strategy)
     if asked and rec.device_mesh != asked:
         ran = ", ".join(f"{k} {v}" for k, v in (rec.device_mesh or {}).items()) or "none"
         want = ", ".join(f"{k} {v}" for k, v in asked.items())

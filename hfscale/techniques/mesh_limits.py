@@ -36,21 +36,23 @@ def tp_beside_other_dims(strategy: Strategy) -> str | None:
     Where transformers loads a tp model through ``DistributedConfig`` (5.x), that config builds one mesh of its
     own, ``pp x dp_replicate x fsdp x tp``, which must take every process: a model loaded with tp alone on more
     processes than tp fails the load ("The parallel mesh requires 2 processes, but world_size is 4"; measured with
-    transformers 5.25 on 4 CPU processes, dp_shard 2 x tp 2, every trial a crashed row). The one mesh beside tp
-    hfscale loads that way is FSDP2 over ``dp_shard`` (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`: the
-    model is sharded by transformers at load); any other dimension beside tp is refused. None where tp takes every
-    process, or where transformers has no such ``DistributedConfig`` (4.x: ``tp_plan``/``tp_size``)."""
+    transformers 5.25 on 4 CPU processes, dp_shard 2 x tp 2, every trial a crashed row). The meshes beside tp
+    hfscale loads that way are FSDP2's: ``dp_shard``, and HSDP's ``dp_replicate x dp_shard``
+    (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`: the model is sharded by transformers at load); context and
+    sequence parallel beside tp are refused. None where tp takes every process, or where transformers has no such
+    ``DistributedConfig`` (4.x: ``tp_plan``/``tp_size``)."""
     p = strategy.parallelism
     if p is None or p.tp == 1 or p.tp == p.size or not fsdp_configs.loads_with_distributed_config():
         return None
     others = {n: size for n, size in p.mesh().items() if n != "tp"}
-    if fsdp_configs.fsdp_by_transformers(strategy) and set(others) == {"dp_shard"}:
+    if fsdp_configs.fsdp_by_transformers(strategy) and set(others) <= {"dp_shard", "dp_replicate"}:
         return None
     shown = " x ".join(f"{n} {size}" for n, size in others.items())
     return (
         f"tp {p.tp} beside {shown}: the installed transformers loads a tp model through its DistributedConfig, whose "
-        "own mesh must take every process, and of the other dimensions hfscale gives it FSDP2's dp_shard alone; "
-        f"shard the other {p.size // p.tp} processes with dp_shard (fsdp version 2), or give tp all {p.size}"
+        "own mesh must take every process, and of the other dimensions hfscale gives it FSDP2's (dp_shard, and "
+        f"dp_replicate beside it); shard the other {p.size // p.tp} processes with dp_shard (fsdp version 2), or "
+        f"give tp all {p.size}"
     )
 
 

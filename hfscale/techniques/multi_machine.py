@@ -200,7 +200,8 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
                     f"FSDP2 shards parameters over ranks {group}, which span machines {on}: hybrid_shard keeps each "
                     "shard group inside one machine"
                 )
-    shards = expected["dp_shard"]
+    tp = strategy.parallelism.tp if strategy.parallelism is not None else 1
+    shards = expected["dp_shard"] * tp  # tensor parallel splits the weights of its plan further
     if (
         rec.params_local_per_rank
         and rec.params_total
@@ -208,8 +209,8 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     ):
         problems.append(
             f"parameters are sharded further than hybrid_shard asks: {rec.params_local_max:,} of "
-            f"{rec.params_total:,} elements on the fullest rank, expected about 1/{shards} (the dp_shard ranks of one "
-            f"replica, {_asked_mesh(strategy)})"
+            f"{rec.params_total:,} elements on the fullest rank, expected about 1/{shards} (the dp_shard "
+            f"{'x tp ' if tp > 1 else ''}ranks of one replica, {_asked_mesh(strategy)})"
         )
     return problems
 

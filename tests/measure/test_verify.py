@@ -68,6 +68,12 @@ def test_matching_records_have_no_mismatch():
     # A record from before these fields existed is not failed for lacking them.
     old = record(optimizer_implementation=None, global_batch_size=None)
     assert check(BASELINE, old) == []
+    # FSDP2's gather dtype: the half type asked, full precision under fp32, or not read.
+    half = {"mixed_precision": "bf16", "linear_output_dtype": "bfloat16"}
+    bf16 = FSDP2.replace(precision="bf16")
+    for dtype in ("bfloat16", None):
+        assert check(bf16, record(**FSDP2_RECORD | half | {"fsdp_param_dtype": dtype})) == []
+    assert check(FSDP2, record(**FSDP2_RECORD | {"fsdp_param_dtype": "float32"})) == []
 
 
 def test_fsdp_asked_but_ddp_ran_is_flagged():
@@ -125,6 +131,16 @@ def test_check_accepts_the_stored_dict():
             GPU_FSDP_OFFLOAD,
             FSDP2_RECORD | {"device": "cuda"},
             "FSDP CPU offload is False, fsdp.cpu_offload=True was asked for",
+        ),
+        (
+            FSDP2.replace(precision="bf16"),
+            FSDP2_RECORD | {"fsdp_param_dtype": "float32"},
+            "FSDP2 gathers the parameters in float32, not bfloat16: precision bf16 runs as autocast alone",
+        ),
+        (
+            FSDP2.replace(precision="bf16"),
+            FSDP2_RECORD | {"fsdp_param_dtype": "bfloat16,float32"},
+            "FSDP2 gathers the parameters in bfloat16,float32, not bfloat16 alone: some units gather another dtype",
         ),
     ],
 )

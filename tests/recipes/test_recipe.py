@@ -430,6 +430,14 @@ def test_a_refused_training_arg_is_named_where_it_is_written(tmp_path):
         RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where .*needs a value .*leave the key out"
     ):
         load_recipe(write(tmp_path, with_(training_args={"logging_steps": None})))
+    # Beside a null the Trainer takes (max_grad_norm: no clipping), and in a trial's own section over it.
+    with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where"):
+        load_recipe(write(tmp_path, with_(training_args={"max_grad_norm": None, "logging_steps": None})))
+    nulls = with_(
+        training_args={"max_grad_norm": None}, trials=[{"name": "a", "training_args": {"logging_steps": None}}]
+    )
+    with pytest.raises(RecipeError, match=r"x\.yaml: trials\[0\]\.training_args\.logging_steps: null, where"):
+        load_recipe(write(tmp_path, nulls))
     with pytest.raises(
         RecipeError, match=r"trials\[0\]\.training_args\.lr_scheduler_type: refused: reduce_lr_on_plateau .*never"
     ):

@@ -2,9 +2,9 @@
 
 The script (tests/scripts/hf_example.py) is written as the transformers examples are: ``HfArgumentParser``,
 ``TrainingArguments`` from the command line, its own model class and its own collator over variable-length data.
-One real sweep runs it unmodified across fp32, bf16, gradient checkpointing, LoRA, DDP x2, ZeRO-2 x2 and FSDP2 x2,
-plus a trial whose script arguments contradict it (``--bf16`` against fp32) and one whose script returns before
-training. Every strategy row must be ``ok`` and verified from inside the run, with intervals and a report.
+One real sweep runs it unmodified across fp32, bf16, gradient checkpointing, LoRA, DDP x2, ZeRO-2 x2 and FSDP2 x2
+(bf16), plus a trial whose script arguments contradict it (``--bf16`` against fp32) and one whose script returns
+before training. Every strategy row must be ``ok`` and verified from inside the run, with intervals and a report.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ def _recipe(tmp: Path) -> dict:
             {"name": "lora", "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}},
             {"name": "ddp-x2", "num_processes": 2},
             {"name": "zero2-x2", "num_processes": 2, "deepspeed": {"zero_stage": 2}},
-            {"name": "fsdp2-x2", "num_processes": 2, "fsdp": {"version": 2, "sharding": "full_shard"}},
+            # bf16: accelerate's FSDP2 gathers in bf16 (its mixed-precision policy, read back from every unit).
+            {
+                "name": "fsdp2-x2",
+                "num_processes": 2,
+                "precision": "bf16",
+                "fsdp": {"version": 2, "sharding": "full_shard"},
+            },
             {"name": "script-bf16", "script_args": ["--bf16", "--use_cpu"]},
             {"name": "exits-early", "script_args": ["--exit_early"]},
             {"name": "args-in-code", "script_args": ["--args_in_code"]},
@@ -82,6 +88,7 @@ def test_every_strategy_runs_the_users_script_verified_from_inside(script_run: P
     assert verified["ckpt"]["gradient_checkpointing"] is True
     assert verified["zero2-x2"]["zero_stage"] == 2 and verified["zero2-x2"]["world_size"] == 2
     assert verified["fsdp2-x2"]["wrapper"] == "FSDP2" and verified["ddp-x2"]["wrapper"] == "DDP"
+    assert verified["fsdp2-x2"]["fsdp_param_dtype"] == "bfloat16"
     assert verified["lora"]["lora_layers"] == 2 * 2 and sorted(verified["lora"]["lora_target_modules"]) == [
         "q_proj",
         "v_proj",

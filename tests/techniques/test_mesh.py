@@ -208,6 +208,8 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
     assert "set it false for a model whose loss ignores num_items_in_batch" in printed
     with pytest.raises(ValueError, match=r"fsdp\.transformer_layer_cls: beside tp, .* not LlamaDecoderLayer"):
         write_configs(fsdp_tp, tmp_path / "api", transformer_layer_cls="LlamaDecoderLayer")  # the API refuses too
+    with pytest.raises(ValueError, match=r"^precision: beside tp, .*casts the parameters to bf16 only"):
+        write_configs(fsdp_tp.replace(precision="fp16"), tmp_path / "fp16")
 
     def trial(name: str, **fields) -> dict:
         return {"name": name, "num_processes": 4, "fsdp": {"version": 2}, **fields}
@@ -218,6 +220,24 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
         "trials": [trial("fsdp-tp", parallelism={"dp_shard": 2, "tp": 2})],
     }
     assert parse_recipe(recipe, source="x.yaml").trials[0].spec.strategy.parallelism.mesh() == {"dp_shard": 2, "tp": 2}
+    # HSDP x tp: transformers replicates too (dp_replicate_size); accelerate places the data over all 4 dp ranks (the
+    # Trainer would set dp_shard to 4 beside a dp_replicate of 2: a mesh of 16 on 8 processes).
+    hsdp = (
+        parse_recipe(
+            recipe | {"trials": [trial("h", num_processes=8, parallelism={"dp_replicate": 2, "dp_shard": 2, "tp": 2})]},
+            source="x.yaml",
+        )
+        .trials[0]
+        .spec.strategy
+    )
+    assert mesh.distributed_config_kwargs(hsdp) == {
+        "tp_plan": "auto", "tp_size": 2, "fsdp_size": 2, "dp_replicate_size": 2
+    }  # fmt: skip
+    assert mesh.accelerate_mesh(hsdp) == {"dp_shard": 4, "tp": 2} and mesh.accelerate_mesh(fsdp_tp) == {
+        "dp_shard": 2, "tp": 2
+    }  # fmt: skip
+    pc = mesh.accelerate_parallelism_config(hsdp)
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size) == (1, 4, 2)
     refused = [
         (trial("a", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "sharding": "shard_grad_op"}),
          r"trials\[0\]\.fsdp\.sharding: beside tp, transformers shards the model itself .*got shard_grad_op"),
@@ -225,8 +245,8 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
          r"trials\[0\]\.fsdp\.transformer_layer_cls: .*own plan: not X"),
         (trial("p", parallelism={"dp_shard": 2, "tp": 2}, precision="fp16"),
          r"trials\[0\]\.precision: beside tp, .*casts the parameters to bf16 only .*use bf16"),
-        (trial("c", num_processes=8, parallelism={"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
-         r"trials\[0\]\.parallelism: tp 2 beside dp_replicate 2 x dp_shard 2: .*FSDP2's dp_shard alone"),
+        (trial("c", num_processes=8, parallelism={"dp_shard": 2, "cp": 2, "tp": 2}),
+         r"trials\[0\]\.parallelism: tp 2 beside dp_shard 2 x cp 2: .*FSDP2's \(dp_shard, and dp_replicate"),
     ]  # fmt: skip
     for entry, message in refused:
         with pytest.raises(RecipeError, match=message):
@@ -388,34 +408,40 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
-    """dp_shard 2 x tp 2 in bf16 with gradient checkpointing and accumulation, sharded by transformers when it loads
-    the model (accelerate gets no FSDP): from inside the run the model is an FSDP2 module, q_proj's weight is split
-    over both dimensions of transformers' mesh (``Shard`` on tp), each rank holds about a quarter of the split
-    weights, FSDP gathers them in bf16 (before, fp32: autocast alone), the first loss is a random model's, and the
-    verification finds what was asked."""
+def test_hsdp_beside_tensor_parallel_over_eight_cpu_processes(tmp_path: Path):
+    """dp_replicate 2 x dp_shard 2 x tp 2 in bf16 with gradient checkpointing and accumulation, sharded by
+    transformers when it loads the model (accelerate gets no FSDP and places the data over the 4 data-parallel
+    ranks): from inside the run the model is an FSDP2 module sharded hybrid (each weight split over a replica's 2
+    dp_shard ranks, replicated across the 2 replicas), q_proj's weight is split over tp too (``Shard`` on tp), each
+    rank holds a quarter of the split weights, FSDP gathers them in bf16 (before, fp32: autocast alone), the first
+    loss is a random model's, and the verification finds what was asked. One launch for FSDP2 x tp with and without
+    replicas: what replicas add (dp_replicate_size, the data placed over both) is all the dp_shard-only case lacks."""
     strategy = Strategy(
-        name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
-        parallelism=ParallelismSpec(dp_shard=2, tp=2), gradient_checkpointing=True, gradient_accumulation_steps=2,
+        name="hsdp-tp", device="cpu", num_processes=8, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
+        parallelism=ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2), gradient_checkpointing=True,
+        gradient_accumulation_steps=2,
     )  # fmt: skip
     outcome = _tiny_llama_trial(strategy, tmp_path)
     v = outcome.verification
-    assert v.device_mesh == {"dp_shard": 2, "tp": 2}
-    assert v.wrapper == "FSDP2" and v.distributed_type == "MULTI_CPU" and v.world_size == 4
+    assert v.device_mesh == {"dp_shard": 4, "tp": 2}  # accelerate's: the data over every data-parallel rank
+    assert v.fsdp_mesh == {"dp_replicate": 2, "dp_shard": 2} and v.fsdp_sharding == "hybrid_shard"
+    assert v.fsdp_shard_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]  # each tp rank's shard group within a replica
+    assert v.wrapper == "FSDP2" and v.distributed_type == "MULTI_CPU" and v.world_size == 8
+    assert "dp_replicate=Replicate()" in v.linear_weight_placements, v.linear_weight_placements
     assert "tp=Shard(dim=0)" in v.linear_weight_placements, v.linear_weight_placements
-    # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over all four ranks.
+    # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over dp_shard x tp.
     assert v.params_total == 115_008
-    assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
-    assert v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8  # 2 a rank x 2 replicas x 2 micro
+    assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 8
+    assert v.global_batch_size == 16 and outcome.throughput.samples_per_step == 16  # 2 x 4 dp ranks x 2 micro
     assert v.gradient_checkpointing  # the Trainer's, where transformers shards the model
     assert v.fsdp_param_dtype == "bfloat16" and v.linear_output_dtype == "bfloat16"
+    # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
+    assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
+    assert check(strategy, v) == []
     assert check(strategy, dataclasses.replace(v, fsdp_param_dtype="float32")) == [
         "FSDP2 gathers the parameters in float32, not bfloat16: precision bf16 runs as autocast alone, with "
         "full-precision gathers"
     ]
-    # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
-    assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
-    assert check(strategy, v) == []
 
 
 def _tiny_llama_trial(strategy: Strategy, folder: Path):
