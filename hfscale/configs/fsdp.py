@@ -72,7 +72,10 @@ def transformers_fsdp_refusal(strategy: Strategy, transformer_layer_cls: str | N
     fsdp = _spec(strategy)
     why = "beside tp, transformers shards the model itself when it loads it"
     if fsdp.sharding != "full_shard":
-        return "fsdp.sharding", f"{why}, as full_shard (resharding each layer after forward); got {fsdp.sharding}"
+        return "fsdp.sharding", (
+            f"{why}, as full_shard (resharding each layer after forward; hybrid where parallelism has dp_replicate, "
+            f"so write full_shard for that too); got {fsdp.sharding}"
+        )
     if fsdp.auto_wrap != "transformer_layer":
         return "fsdp.auto_wrap", f"{why}, one unit per decoder layer by the model's own plan; got {fsdp.auto_wrap}"
     named = transformer_layer_cls or fsdp.transformer_layer_cls

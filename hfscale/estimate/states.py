@@ -118,7 +118,8 @@ def fsdp_states(shape: ModelShape, strategy: Strategy, fsdp: FsdpSpec, *, optimi
     n = shape.num_params
     g = shard_group(strategy)
     offload = fsdp.cpu_offload
-    # accelerate: param_dtype = reduce_dtype = the half type; transformers' own FSDP2 (beside tp) reduces in fp32
+    # accelerate: param_dtype = reduce_dtype = the half type; transformers' own FSDP2 (beside tp) reduces in fp32,
+    # which is not modelled (docs/estimate.md)
     pg = 2 if strategy.precision in ("fp16", "bf16") else 4
     if fsdp.auto_wrap == "none":
         gathered = n * pg + n * pg

@@ -42,9 +42,9 @@ runner makes any mismatch a ``not_applied`` result, never a silent row. Every fi
 what ran: processes and device, the engine (distributed type and wrapper), ZeRO stage and offloads, FSDP sharding
 and offload (and FSDP2's gather dtype under half precision), whether parameters are sharded, precision (accelerate's
 setting and the dtype a Linear produced), the optimizer (class, kernel, 8-bit states, DeepSpeed's CPU Adam under
-offload), gradient checkpointing and the global batch (per-device batch x accumulation x processes). A field the
-record could not read (None: an older record, or a library whose internals moved) is left out of the comparison
-rather than guessed.
+offload), gradient checkpointing and the global batch (per-device batch x accumulation x data-parallel ranks). A
+field the record could not read (None: an older record, or a library whose internals moved) is left out of the
+comparison rather than guessed.
 """
 
 from __future__ import annotations

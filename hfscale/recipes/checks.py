@@ -345,9 +345,9 @@ def check_lora(strategy: Any, model: ModelSpec, path: str) -> None:
 
 def check_tensor_parallel(model: ModelSpec, data: DataSpec, strategy: Any, path: str) -> None:
     """Refuse a mesh the installed libraries cannot train (:mod:`hfscale.techniques.mesh_limits`: tensor parallel
-    beside replicas alone, or beside any other dimension where transformers loads it through its own mesh), a mesh
-    the installed accelerate refuses (context parallel beside replicas alone), and ``parallelism.tp > 1`` for a
-    model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial that asks for it
+    beside replicas alone, or beside context or sequence parallel where transformers loads it through its own
+    mesh), a mesh the installed accelerate refuses (context parallel beside replicas alone), and ``parallelism.tp >
+    1`` for a model type without a tensor-parallel plan (``base_model_tp_plan``), at the trial that asks for it
     (:func:`hfscale.techniques.mesh.tp_plan_problem` says why and which model types have one). Skipped where the
     config cannot be built here: :func:`check_model` has said why, or the trial will."""
     from hfscale.configs.fsdp import transformers_fsdp_refusal

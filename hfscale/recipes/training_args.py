@@ -125,7 +125,7 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
     refused = _refusal(kwargs)
     if refused is None:
         return
-    null = _null_that_fails(spec.training_args, kwargs) if isinstance(refused, TypeError) else None
+    null = _null_that_fails(spec.training_args, kwargs, refused) if isinstance(refused, TypeError) else None
     if null is not None:
         raise Invalid(
             join_path(path, null),
@@ -148,13 +148,16 @@ def _refusal(kwargs: dict[str, Any]) -> Exception | None:
     return None
 
 
-def _null_that_fails(training_args: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
-    """The key given null without which ``kwargs`` pass (``logging_steps: null`` is compared with a number), or
-    None. Nulls pass the type check on purpose (the Trainer reads ``max_grad_norm: null`` as off), so only taking
-    one out tells the null that fails from one the Trainer takes."""
+def _null_that_fails(training_args: dict[str, Any], kwargs: dict[str, Any], refused: Exception) -> str | None:
+    """The first key given null without which ``kwargs`` are no longer ``refused`` as they were (``logging_steps:
+    null`` is compared with a number): they pass, or fail otherwise (another null, another refusal). None where no
+    null is the cause. Nulls pass the type check on purpose (the Trainer reads ``max_grad_norm: null`` as off), so
+    only taking one out tells the null that fails from one the Trainer takes."""
     for key, value in training_args.items():
-        if value is None and key in kwargs and kwargs[key] is None and _refusal(_without(kwargs, key)) is None:
-            return key
+        if value is None and key in kwargs and kwargs[key] is None:
+            after = _refusal(_without(kwargs, key))
+            if after is None or type(after) is not type(refused) or str(after) != str(refused):
+                return key
     return None
 
 

@@ -7,9 +7,10 @@ sp``); the strategy already refuses sizes that do not multiply to the process co
 
 * **Where the mesh is given.** ``accelerate launch`` passes a YAML ``parallelism_config`` section to the processes
   only with FSDP2 (``_validate_launch_command`` refuses ``use_parallelism_config`` otherwise), so the YAML carries it
-  for FSDP2 strategies (:func:`accelerate_section`); every trial also hands the same mesh to the Trainer as
+  for FSDP2 strategies (:func:`accelerate_section`); every trial also hands the mesh to the Trainer as
   ``TrainingArguments(parallelism_config=...)`` (:func:`accelerate_parallelism_config`), the one way that works for
-  all of them (a ``ParallelismConfig`` object cannot live in ``training_args.json``).
+  all of them (a ``ParallelismConfig`` object cannot live in ``training_args.json``). That is the strategy's own
+  mesh, except where transformers shards a tp model with HSDP itself (:func:`accelerate_mesh`).
 * **Tensor parallelism needs the model sharded when it is loaded.** transformers splits the weights in
   ``from_pretrained(..., tp_plan="auto")`` following the config's ``base_model_tp_plan``; ``from_config`` takes
   no plan. :func:`load_tensor_parallel` saves the random model into the trial's scratch folder and loads it back
@@ -86,17 +87,13 @@ def accelerate_parallelism_config(strategy: Strategy) -> ParallelismConfig | Non
 
 
 def accelerate_mesh(strategy: Strategy) -> dict[str, int]:
-    """The mesh accelerate builds for ``strategy.parallelism`` (the dimensions wider than one): the strategy's own,
-    except where transformers shards the model with HSDP itself
-    (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`, ``dp_replicate > 1``): accelerate then only places the
-    data, over every data-parallel rank as one ``dp_shard`` dimension. The Trainer sets ``dp_shard`` to the model's
-    data-parallel size, replicas included, and keeps a ``dp_replicate`` it is given: ``dp_replicate 2 x dp_shard 2
-    x tp 2`` became a mesh of 16 on 8 processes (measured, transformers 5.25)."""
+    """The mesh accelerate builds for ``strategy.parallelism`` (dimensions wider than one): the strategy's own, except
+    where transformers shards the model with HSDP itself (:func:`~hfscale.configs.fsdp.fsdp_by_transformers`):
+    accelerate then places the data over every data-parallel rank as one ``dp_shard``. The Trainer sets ``dp_shard``
+    to that size and keeps a ``dp_replicate`` it is given (a mesh of 16 on 8 processes, measured, transformers 5.25)."""
     p = strategy.parallelism
-    if p is None:
-        return {}
-    mesh = p.mesh()
-    if fsdp_configs.fsdp_by_transformers(strategy) and p.dp_replicate > 1:
+    mesh = p.mesh() if p is not None else {}
+    if p is not None and p.dp_replicate > 1 and fsdp_configs.fsdp_by_transformers(strategy):
         mesh = {"dp_shard": p.dp_replicate * p.dp_shard} | {n: s for n, s in mesh.items() if not n.startswith("dp_")}
     return mesh
 
@@ -406,9 +403,10 @@ def collect(trainer: Trainer) -> dict[str, Any]:
 def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     """How the mesh that ran differs from ``strategy.parallelism``, one sentence each (empty: it took effect).
 
-    The mesh accelerate built must have the asked sizes; under tensor parallelism a Linear weight must be a
-    DTensor sharded (``Shard``) over it, over the ``tp`` dimension where the mesh names its dimensions (FSDP2
-    shards the same weight over ``dp_shard``, which is no proof of tensor parallelism); a weight that is a plain
+    The mesh accelerate built must have the asked sizes (:func:`accelerate_mesh`: the replicas folded into
+    ``dp_shard`` where transformers shards a tp model with HSDP itself); under tensor parallelism a Linear weight
+    must be a DTensor sharded (``Shard``) over it, over the ``tp`` dimension where the mesh names its dimensions
+    (FSDP2 shards the same weight over ``dp_shard``, which is no proof of tensor parallelism); a weight that is a plain
     tensor is the fallback this catches (the model was not loaded with its plan, or a library dropped it). A
     record from before these fields were read (``device_mesh`` None without any mesh asked) is left alone.
     """
@@ -418,7 +416,9 @@ def check(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     if asked and rec.device_mesh != asked:
         ran = ", ".join(f"{k} {v}" for k, v in (rec.device_mesh or {}).items()) or "none"
         want = ", ".join(f"{k} {v}" for k, v in asked.items())
-        problems.append(f"the device mesh that ran is {ran}, parallelism asks for {want}")
+        own = ", ".join(f"{k} {v}" for k, v in p.mesh().items()) if p is not None else ""
+        whose = "parallelism asks for" if own == want else f"accelerate's mesh for parallelism {own} is"
+        problems.append(f"the device mesh that ran is {ran}, {whose} {want}")
     if tensor_parallel(strategy):
         by_dim = placements_by_dim(rec.linear_weight_placements)
         if rec.linear_weight_placements is None:
@@ -480,6 +480,7 @@ __all__ = [
     "SCRIPT_LINE",
     "TECHNIQUE",
     "Mesh",
+    "accelerate_mesh",
     "accelerate_parallelism_config",
     "accelerate_section",
     "check",

@@ -51,8 +51,8 @@ def tp_beside_other_dims(strategy: Strategy) -> str | None:
     return (
         f"tp {p.tp} beside {shown}: the installed transformers loads a tp model through its DistributedConfig, whose "
         "own mesh must take every process, and of the other dimensions hfscale gives it FSDP2's (dp_shard, and "
-        f"dp_replicate beside it); shard the other {p.size // p.tp} processes with dp_shard (fsdp version 2), or "
-        f"give tp all {p.size}"
+        f"dp_replicate beside it); shard the other {p.size // p.tp} processes with dp_shard (fsdp version 2; "
+        f"dp_replicate x dp_shard for replicas), or give tp all {p.size}"
     )
 
 

@@ -19,9 +19,10 @@ field                     read from
 :func:`check` compares them with the strategy: node ranks ``0 .. M-1`` all present, ``P / M`` ranks on each, one
 host name per machine, and under FSDP2 the mesh (``hybrid_shard``: replicate over machines, shard within; a device
 mesh, ``parallelism``: replicate over ``dp_replicate``, shard over ``dp_shard x cp``, so ``full_shard`` with
-``dp_replicate > 1`` is hybrid too; else one dimension over every rank), each ``hybrid_shard`` shard group inside
-one machine, and under hybrid sharding parameters held per rank about ``1 / dp_shard`` (not sharded further, as a
-flat mesh would). ``hfscale.measure.verify`` calls both; a field it could not read is left out.
+``dp_replicate > 1`` is hybrid too; else one dimension over every rank), each shard group inside one machine where
+the replicas are machines (``hybrid_shard``, or ``dp_replicate`` a multiple of the machine count), and under hybrid
+sharding parameters held per rank about ``1 / dp_shard`` (``1 / (dp_shard x tp)`` beside tensor parallel; not
+sharded further, as a flat mesh would). ``hfscale.measure.verify`` calls both; a field it could not read is left out.
 """
 
 from __future__ import annotations
@@ -170,13 +171,27 @@ def _asked_mesh(strategy: Strategy) -> str:
     """How ``strategy`` asks for its FSDP2 mesh, in words, for a mismatch message."""
     p = strategy.parallelism
     if p is not None and p.size > 1:
-        return f"parallelism dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, cp={p.cp}"
+        tp = f", tp={p.tp}" if p.tp > 1 else ""
+        return f"parallelism dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, cp={p.cp}{tp}"
     sharding = strategy.fsdp.sharding if strategy.fsdp is not None else None
     why = " (replicate across machines, shard within each)" if sharding == "hybrid_shard" else ""
     return (
         f"fsdp.sharding={sharding!r}{why} on {strategy.num_machines} machine(s) x "
         f"{strategy.num_processes // strategy.num_machines} process(es)"
     )
+
+
+def _shard_groups_within_machines(strategy: Strategy) -> str | None:
+    """What keeps every shard group inside one machine, in words, or None: ``hybrid_shard`` (replicate across the
+    machines, shard within each), or a device mesh whose replicas are whole machines or parts of one
+    (``dp_replicate`` a multiple of the machine count: ranks are numbered machine by machine, and a replica is a run
+    of consecutive ranks)."""
+    if strategy.fsdp is not None and strategy.fsdp.sharding == "hybrid_shard":
+        return "hybrid_shard"
+    p, machines = strategy.parallelism, strategy.num_machines
+    if p is not None and machines > 1 and p.dp_replicate % machines == 0:
+        return f"dp_replicate {p.dp_replicate} over {machines} machines"
+    return None
 
 
 def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
@@ -191,13 +206,13 @@ def _check_mesh(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     if "dp_replicate" not in expected:
         return problems
     ranks = rec.machine_rank_per_rank
-    across_machines = strategy.fsdp is not None and strategy.fsdp.sharding == "hybrid_shard"
-    if across_machines and ranks and len(ranks) == strategy.num_processes:
+    within = _shard_groups_within_machines(strategy)
+    if within is not None and ranks and len(ranks) == strategy.num_processes:
         for group in rec.fsdp_shard_groups:
             on = sorted({ranks[r] for r in group if 0 <= r < len(ranks)})
             if len(on) > 1:
                 problems.append(
-                    f"FSDP2 shards parameters over ranks {group}, which span machines {on}: hybrid_shard keeps each "
+                    f"FSDP2 shards parameters over ranks {group}, which span machines {on}: {within} keeps each "
                     "shard group inside one machine"
                 )
     tp = strategy.parallelism.tp if strategy.parallelism is not None else 1

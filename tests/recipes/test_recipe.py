@@ -433,6 +433,13 @@ def test_a_refused_training_arg_is_named_where_it_is_written(tmp_path):
     # Beside a null the Trainer takes (max_grad_norm: no clipping), and in a trial's own section over it.
     with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where"):
         load_recipe(write(tmp_path, with_(training_args={"max_grad_norm": None, "logging_steps": None})))
+    # Two nulls that fail, and a null beside another refusal: the first null that fails is named.
+    for section in (
+        {"logging_steps": None, "warmup_steps": None},
+        {"logging_steps": None, "dataloader_prefetch_factor": 2},
+    ):
+        with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where"):
+            load_recipe(write(tmp_path, with_(training_args=section)))
     nulls = with_(
         training_args={"max_grad_norm": None}, trials=[{"name": "a", "training_args": {"logging_steps": None}}]
     )

@@ -408,14 +408,46 @@ def test_tensor_parallel_over_two_cpu_processes(tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
+    """dp_shard 2 x tp 2 in bf16 with gradient checkpointing and accumulation, sharded by transformers when it loads
+    the model (accelerate gets no FSDP): from inside the run the model is an FSDP2 module, q_proj's weight is split
+    over both dimensions of transformers' mesh (``Shard`` on tp), each rank holds about a quarter of the split
+    weights, FSDP gathers them in bf16 (before, fp32: autocast alone), the first loss is a random model's, and the
+    verification finds what was asked."""
+    strategy = Strategy(
+        name="fsdp-tp", device="cpu", num_processes=4, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
+        parallelism=ParallelismSpec(dp_shard=2, tp=2), gradient_checkpointing=True, gradient_accumulation_steps=2,
+    )  # fmt: skip
+    outcome = _tiny_llama_trial(strategy, tmp_path)
+    v = outcome.verification
+    assert v.device_mesh == {"dp_shard": 2, "tp": 2}
+    assert v.wrapper == "FSDP2" and v.distributed_type == "MULTI_CPU" and v.world_size == 4
+    assert "tp=Shard(dim=0)" in v.linear_weight_placements, v.linear_weight_placements
+    # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over all four ranks.
+    assert v.params_total == 115_008
+    assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
+    assert v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8  # 2 a rank x 2 replicas x 2 micro
+    assert v.gradient_checkpointing  # the Trainer's, where transformers shards the model
+    assert v.fsdp_param_dtype == "bfloat16" and v.linear_output_dtype == "bfloat16"
+    assert check(strategy, dataclasses.replace(v, fsdp_param_dtype="float32")) == [
+        "FSDP2 gathers the parameters in float32, not bfloat16: precision bf16 runs as autocast alone, with "
+        "full-precision gathers"
+    ]
+    # A random model's loss, ln 256: with average_tokens_across_devices off the Trainer logged twice it (11.1).
+    assert abs(outcome.loss_curve[0] - math.log(256)) < 0.2, outcome.loss_curve
+    assert check(strategy, v) == []
+
+
+@pytest.mark.slow
 def test_hsdp_beside_tensor_parallel_over_eight_cpu_processes(tmp_path: Path):
     """dp_replicate 2 x dp_shard 2 x tp 2 in bf16 with gradient checkpointing and accumulation, sharded by
     transformers when it loads the model (accelerate gets no FSDP and places the data over the 4 data-parallel
     ranks): from inside the run the model is an FSDP2 module sharded hybrid (each weight split over a replica's 2
     dp_shard ranks, replicated across the 2 replicas), q_proj's weight is split over tp too (``Shard`` on tp), each
     rank holds a quarter of the split weights, FSDP gathers them in bf16 (before, fp32: autocast alone), the first
-    loss is a random model's, and the verification finds what was asked. One launch for FSDP2 x tp with and without
-    replicas: what replicas add (dp_replicate_size, the data placed over both) is all the dp_shard-only case lacks."""
+    loss is a random model's, and the verification finds what was asked. The paths replicas take apart from the test
+    above: transformers' 2-D FSDP mesh, its all-reduce across replicas deferred under accumulation, accelerate's
+    mesh with the replicas folded into dp_shard, the verification's hybrid sharding."""
     strategy = Strategy(
         name="hsdp-tp", device="cpu", num_processes=8, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
         parallelism=ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2), gradient_checkpointing=True,
@@ -574,3 +606,49 @@ def test_a_flat_mesh_where_the_device_mesh_replicates_is_caught():
     assert any("FSDP2 sharded on a mesh of dp_shard 4, expected dp_replicate 2 x dp_shard 2" in p for p in problems)
     assert any("sharded further than hybrid_shard asks" in p for p in problems), problems
     assert any("the device mesh that ran is dp_shard 4" in p for p in problems), problems
+
+
+HSDP_TP = Strategy(
+    name="hsdp-tp", device="cpu", num_processes=8, per_device_batch_size=2, fsdp=FsdpSpec(), precision="bf16",
+    parallelism=ParallelismSpec(dp_replicate=2, dp_shard=2, tp=2), gradient_checkpointing=True,
+    gradient_accumulation_steps=2,
+)  # fmt: skip
+
+
+def hsdp_tp_record(**changes) -> VerificationRecord:
+    """What the HSDP x tp trial on 8 CPU processes records (measured in
+    test_hsdp_beside_tensor_parallel_over_eight_cpu_processes)."""
+    base = VerificationRecord(
+        distributed_type="MULTI_CPU", world_size=8, device="cpu", mixed_precision="bf16", wrapper="FSDP2",
+        wrapper_class="transformers.FSDPLlamaForCausalLM", params_total=115_008, params_local_per_rank=[28_832] * 8,
+        linear_layer="model.layers.0.self_attn.q_proj", linear_output_dtype="bfloat16",
+        optimizer_class="torch.optim.adamw.AdamW", optimizer_implementation="fused", fsdp_sharding="hybrid_shard",
+        fsdp_cpu_offload=False, fsdp_param_dtype="bfloat16", global_batch_size=16, gradient_checkpointing=True,
+        machine_rank_per_rank=[0] * 8, hostname_per_rank=["host-a"] * 8,
+        fsdp_mesh={"dp_replicate": 2, "dp_shard": 2}, fsdp_shard_groups=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        device_mesh={"dp_shard": 4, "tp": 2},
+        linear_weight_placements="dp_replicate=Replicate(), fsdp=_StridedShard(dim=0, sf=2), tp=Shard(dim=0)",
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def test_hsdp_beside_tp_is_checked_against_the_mesh_accelerate_gets_and_the_share_tp_leaves():
+    """A rank of HSDP x tp holds a quarter of the split weights (dp_shard x tp), not the half a replica's dp_shard
+    ranks alone would leave; accelerate's mesh has the replicas folded into dp_shard. Over two machines, one a
+    replica, a shard group must stay inside a machine."""
+    assert check(HSDP_TP, hsdp_tp_record()) == []
+    over_sharded = check(HSDP_TP, hsdp_tp_record(params_local_per_rank=[115_008 // 8] * 8))
+    assert any("sharded further than hybrid_shard asks: 14,376 of 115,008 elements on the fullest rank, expected "
+               "about 1/4 (the dp_shard x tp ranks of one replica, parallelism dp_replicate=2, dp_shard=2, cp=1, "
+               "tp=2)" in p for p in over_sharded), over_sharded  # fmt: skip
+    unfolded = check(HSDP_TP, hsdp_tp_record(device_mesh={"dp_replicate": 2, "dp_shard": 4, "tp": 2}))
+    assert unfolded == [
+        "the device mesh that ran is dp_replicate 2, dp_shard 4, tp 2, accelerate's mesh for parallelism "
+        "dp_replicate 2, dp_shard 2, tp 2 is dp_shard 4, tp 2"
+    ]
+    two_machines = HSDP_TP.replace(num_machines=2)
+    on_machines = {"machine_rank_per_rank": [0, 0, 0, 0, 1, 1, 1, 1], "hostname_per_rank": ["a"] * 4 + ["b"] * 4}
+    assert check(two_machines, hsdp_tp_record(**on_machines)) == []
+    spanning = check(two_machines, hsdp_tp_record(**on_machines, fsdp_shard_groups=[[0, 4], [1, 5], [2, 6], [3, 7]]))
+    assert any("ranks [0, 4], which span machines [0, 1]: dp_replicate 2 over 2 machines keeps each shard group "
+               "inside one machine" in p for p in spanning), spanning  # fmt: skip
