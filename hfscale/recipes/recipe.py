@@ -295,12 +295,16 @@ def _build_trial(entry: TrialEntry, shared: _Shared) -> RecipeTrial:
 
 
 def _check_trainer_accepts(spec: TrialSpec, recipe_args: dict[str, Any], trial_path: str) -> None:
-    """:func:`check_trainer_accepts` of the trial's arguments, naming the recipe's ``training_args`` where they
-    are refused without the trial's own, else the trial's."""
-    own = spec.training_args != recipe_args
-    if own:
-        check_trainer_accepts(dataclasses.replace(spec, training_args=recipe_args), "training_args")
-    check_trainer_accepts(spec, trial_path if own else "training_args")
+    """:func:`check_trainer_accepts` of the arguments the trial runs with, naming the recipe's ``training_args``
+    where they are refused without the trial's own too, else the trial's (a recipe value every trial overrides is
+    never refused)."""
+    own = {k for k, v in spec.training_args.items() if k not in recipe_args or recipe_args[k] != v}
+    try:
+        check_trainer_accepts(spec, trial_path if own else "training_args", trial_keys=own)
+    except Invalid:
+        if own:
+            check_trainer_accepts(dataclasses.replace(spec, training_args=recipe_args), "training_args")
+        raise
 
 
 def _trial_script(script: ScriptSpec | None, extra: tuple[str, ...]) -> ScriptSpec | None:

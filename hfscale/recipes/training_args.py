@@ -12,6 +12,7 @@ import functools
 import operator
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, Literal, get_args, get_origin
 
 from hfscale.configs import training_args_kwargs
@@ -108,7 +109,7 @@ def check_training_args(training_args: dict[str, Any], path: str = "training_arg
     return out
 
 
-def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
+def check_trainer_accepts(spec: TrialSpec, path: str, *, trial_keys: Collection[str] | None = None) -> None:
     """The trial's ``TrainingArguments`` keywords (the recipe's under the strategy's, under the runner's) through
     ``TrainingArguments``' own checks of their values and combinations, before anything runs.
 
@@ -118,6 +119,9 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
     machine that need not have the trial's device, and without setting up accelerate's state in this process):
     every check of the keywords a recipe may set comes before it (what follows reads the strategy's: TF32, FSDP,
     DeepSpeed).
+
+    ``path`` is the section the arguments are written in; where it is a trial's, ``trial_keys`` are those the trial
+    writes itself, and a null it does not write is named under the recipe's ``training_args``.
     """
     config_path = "deepspeed.json" if spec.strategy.deepspeed is not None else None  # not read before a device
     kwargs = trial_training_args(spec, training_args_kwargs(spec.strategy, deepspeed_config_path=config_path))
@@ -127,8 +131,9 @@ def check_trainer_accepts(spec: TrialSpec, path: str) -> None:
         return
     null = _null_that_fails(spec.training_args, kwargs, refused) if isinstance(refused, TypeError) else None
     if null is not None:
+        section = path if trial_keys is None or null in trial_keys else "training_args"
         raise Invalid(
-            join_path(path, null),
+            join_path(section, null),
             f"null, where transformers.TrainingArguments needs a value ({refused}): give one, or leave the key out "
             "for its default",
         )

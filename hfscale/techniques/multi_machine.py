@@ -186,11 +186,11 @@ def _shard_groups_within_machines(strategy: Strategy) -> str | None:
     machines, shard within each), or a device mesh whose replicas are whole machines or parts of one
     (``dp_replicate`` a multiple of the machine count: ranks are numbered machine by machine, and a replica is a run
     of consecutive ranks)."""
+    p, machines = strategy.parallelism, strategy.num_machines
+    if p is not None and p.size > 1:  # the mesh decides, whatever fsdp.sharding says (Strategy.fsdp_mesh)
+        return f"dp_replicate {p.dp_replicate} over {machines} machines" if p.dp_replicate % machines == 0 else None
     if strategy.fsdp is not None and strategy.fsdp.sharding == "hybrid_shard":
         return "hybrid_shard"
-    p, machines = strategy.parallelism, strategy.num_machines
-    if p is not None and machines > 1 and p.dp_replicate % machines == 0:
-        return f"dp_replicate {p.dp_replicate} over {machines} machines"
     return None
 
 

@@ -433,6 +433,17 @@ def test_a_refused_training_arg_is_named_where_it_is_written(tmp_path):
     # Beside a null the Trainer takes (max_grad_norm: no clipping), and in a trial's own section over it.
     with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where"):
         load_recipe(write(tmp_path, with_(training_args={"max_grad_norm": None, "logging_steps": None})))
+    # A null no trial runs with (each writes its own value) is no refusal; one the trial does not write is named
+    # in the recipe's section, where it is written.
+    overridden = with_(
+        training_args={"logging_steps": None}, trials=[{"name": "a", "training_args": {"logging_steps": 5}}]
+    )
+    assert load_recipe(write(tmp_path, overridden)).trials[0].spec.training_args["logging_steps"] == 5
+    steps = [{"name": "a", "training_args": {"logging_strategy": "steps"}}]
+    with pytest.raises(RecipeError, match=r"x\.yaml: training_args\.logging_steps: null, where"):
+        load_recipe(
+            write(tmp_path, with_(training_args={"logging_steps": None, "logging_strategy": "no"}, trials=steps))
+        )
     # Two nulls that fail, and a null beside another refusal: the first null that fails is named.
     for section in (
         {"logging_steps": None, "warmup_steps": None},

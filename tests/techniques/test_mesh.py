@@ -426,7 +426,9 @@ def test_fsdp2_beside_tensor_parallel_over_four_cpu_processes(tmp_path: Path):
     # TINY_LLAMA's 115,008 elements: the norms' 320 split over dp_shard alone, everything else over all four ranks.
     assert v.params_total == 115_008
     assert v.params_local_per_rank == [(115_008 - 320) // 4 + 320 // 2] * 4
-    assert v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8  # 2 a rank x 2 replicas x 2 micro
+    assert (
+        v.global_batch_size == 8 and outcome.throughput.samples_per_step == 8
+    )  # 2 a rank x 2 data-parallel ranks x 2 micro
     assert v.gradient_checkpointing  # the Trainer's, where transformers shards the model
     assert v.fsdp_param_dtype == "bfloat16" and v.linear_output_dtype == "bfloat16"
     assert check(strategy, dataclasses.replace(v, fsdp_param_dtype="float32")) == [
@@ -652,3 +654,39 @@ def test_hsdp_beside_tp_is_checked_against_the_mesh_accelerate_gets_and_the_shar
     spanning = check(two_machines, hsdp_tp_record(**on_machines, fsdp_shard_groups=[[0, 4], [1, 5], [2, 6], [3, 7]]))
     assert any("ranks [0, 4], which span machines [0, 1]: dp_replicate 2 over 2 machines keeps each shard group "
                "inside one machine" in p for p in spanning), spanning  # fmt: skip
+
+
+def test_a_replicating_device_mesh_over_machines_keeps_each_shard_group_inside_one():
+    """accelerate's own FSDP2 on ``parallelism: {dp_replicate: 2, dp_shard: 2}``: over 2 machines each replica is a
+    machine, so a shard group across them is a fallback; over 4 machines a replica spans two, which is what was
+    asked; ``fsdp.sharding: hybrid_shard`` beside the mesh is decided by the mesh, as it runs."""
+    from hfscale.techniques import multi_machine
+
+    record = fsdp2_record_on_a_fake_world(dp_replicate=2, dp_shard=2)
+
+    def groups_check(strategy: Strategy, groups: list[list[int]]) -> list[str]:
+        machines = [rank * strategy.num_machines // 4 for rank in range(4)]
+        placed = dataclasses.replace(
+            record,
+            machine_rank_per_rank=machines,
+            hostname_per_rank=[f"h{m}" for m in machines],
+            fsdp_shard_groups=groups,
+        )
+        return multi_machine.check(strategy, placed)
+
+    two = HSDP_MESH.replace(num_machines=2)
+    assert groups_check(two, [[0, 1], [2, 3]]) == []
+    assert any("ranks [0, 2], which span machines [0, 1]: dp_replicate 2 over 2 machines" in p
+               for p in groups_check(two, [[0, 2], [1, 3]]))  # fmt: skip
+    assert groups_check(HSDP_MESH.replace(num_machines=4, num_processes=4), [[0, 1], [2, 3]]) == []
+    # hybrid_shard beside dp_replicate 2 x dp_shard 4 on 4 machines x 2: the mesh's replicas span two machines each.
+    hybrid = HSDP_MESH.replace(
+        fsdp=FsdpSpec(sharding="hybrid_shard"), num_processes=8, num_machines=4,
+        parallelism=ParallelismSpec(dp_replicate=2, dp_shard=4),
+    )  # fmt: skip
+    eight = dataclasses.replace(
+        record, world_size=8, params_local_per_rank=[record.params_total // 4] * 8,
+        machine_rank_per_rank=[rank // 2 for rank in range(8)], hostname_per_rank=[f"h{r // 2}" for r in range(8)],
+        fsdp_mesh={"dp_replicate": 2, "dp_shard": 4}, fsdp_shard_groups=[[0, 1, 2, 3], [4, 5, 6, 7]],
+    )  # fmt: skip
+    assert multi_machine.check(hybrid, eight) == []
