@@ -167,7 +167,8 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         "--tp",
         type=int,
         help="tensor parallel over this many processes (a device mesh); with --fsdp, FSDP2 shards over the rest "
-        "(with transformers 5, by transformers itself when it loads the model: full_shard and its own wrapping)",
+        "(with transformers 5, by transformers itself when it loads the model: full_shard and its own wrapping; "
+        "--fsdp hybrid_shard: a replica on each machine)",
     )
 
 
@@ -199,7 +200,7 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
     fsdp = None
     if args.fsdp is not None:
         fsdp = FsdpSpec(
-            sharding=args.fsdp,
+            sharding="full_shard" if args.tp is not None and args.fsdp == "hybrid_shard" else args.fsdp,  # the mesh's
             version=args.fsdp_version,
             cpu_offload=args.fsdp_cpu_offload,
             transformer_layer_cls=args.fsdp_layer_cls,
@@ -267,21 +268,29 @@ def _kernels_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mesh_from_args(args: argparse.Namespace) -> ParallelismSpec | None:
-    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``), else replicas
-    (refused with the rest of the strategy: :func:`_refuse_what_cannot_train`)."""
+    """``--tp N``: a mesh of tp N, with FSDP2 sharding over the remaining processes (``--fsdp``; ``--fsdp
+    hybrid_shard``: a replica on each machine, sharded over its processes, HSDP x tp), else replicas (refused with
+    the rest of the strategy: :func:`_refuse_what_cannot_train`)."""
     if args.tp is None:
         return None
     if args.tp < 1 or args.num_processes % args.tp:
         raise StrategyError(f"--tp {args.tp}: expected a positive divisor of --num-processes {args.num_processes}")
     rest = args.num_processes // args.tp
-    if args.fsdp is not None:
-        if rest == 1:
-            raise StrategyError(
-                f"--tp {args.tp} --fsdp with --num-processes {args.num_processes}: FSDP2 needs processes left to "
-                "shard over (--num-processes > --tp)"
-            )
-        return ParallelismSpec(tp=args.tp, dp_shard=rest)
-    return ParallelismSpec(tp=args.tp, dp_replicate=rest)
+    if args.fsdp is None:
+        return ParallelismSpec(tp=args.tp, dp_replicate=rest)
+    replicas = args.num_machines if args.fsdp == "hybrid_shard" else 1
+    if args.fsdp == "hybrid_shard" and replicas == 1:
+        raise StrategyError(
+            f"--tp {args.tp} --fsdp hybrid_shard replicates across machines: give --num-machines > 1 (on one "
+            "machine, --fsdp full_shard)"
+        )
+    if rest % replicas or rest // replicas == 1:
+        where = f" on each of {replicas} machines" if replicas > 1 else ""
+        raise StrategyError(
+            f"--tp {args.tp} --fsdp {args.fsdp} with --num-processes {args.num_processes}: FSDP2 needs processes "
+            f"left to shard over{where} (the processes besides tp, {rest}, split evenly, at least 2 a replica)"
+        )
+    return ParallelismSpec(tp=args.tp, dp_shard=rest // replicas, dp_replicate=replicas)
 
 
 def main(argv: list[str] | None = None) -> int:

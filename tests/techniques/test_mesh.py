@@ -238,6 +238,23 @@ def test_fsdp2_beside_tp_is_left_to_transformers_where_it_loads_tp_through_its_o
     }  # fmt: skip
     pc = mesh.accelerate_parallelism_config(hsdp)
     assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size) == (1, 4, 2)
+    # hfscale config --fsdp hybrid_shard --tp: a replica on each machine, printed for a user's script.
+    two_machines = ["--out", str(tmp_path / "h"), "--num-processes", "8", "--num-machines", "2", "--tp", "2"]
+    assert config_main([*two_machines, "--main-process-ip", "10.0.0.1", "--fsdp", "hybrid_shard", "--bf16"]) == 0
+    printed = capsys.readouterr().out
+    assert "mesh dp_replicate 2 x dp_shard 2 x tp 2" in printed
+    assert (
+        "DistributedConfig(tp_plan='auto', tp_size=2, fsdp_size=2, dp_replicate_size=2, fsdp_mixed_precision=True)"
+        in printed
+    )
+    assert "ParallelismConfig(dp_shard_size=4, tp_size=2)" in printed
+    assert (
+        config_main(["--out", str(tmp_path / "h1"), "--num-processes", "8", "--tp", "2", "--fsdp", "hybrid_shard"]) == 2
+    )
+    assert "--fsdp hybrid_shard replicates across machines: give --num-machines > 1" in capsys.readouterr().err
+    one_each = ["--out", str(tmp_path / "h4"), "--num-processes", "8", "--num-machines", "4", "--tp", "2"]
+    assert config_main([*one_each, "--main-process-ip", "10.0.0.1", "--fsdp", "hybrid_shard"]) == 2
+    assert "FSDP2 needs processes left to shard over on each of 4 machines" in capsys.readouterr().err
     refused = [
         (trial("a", parallelism={"dp_shard": 2, "tp": 2}, fsdp={"version": 2, "sharding": "shard_grad_op"}),
          r"trials\[0\]\.fsdp\.sharding: beside tp, transformers shards the model itself .*got shard_grad_op"),
