@@ -22,4 +22,19 @@ def param_numel(param: Any) -> int:
     return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
-__all__ = ["param_numel"]
+def fsdp2_param_groups(model: Any) -> list[tuple[Any, Any]]:
+    """``(module, parameter group)`` of every FSDP2 unit of ``model`` that holds parameters, outermost first: where
+    FSDP2 keeps each unit's settings (mesh, offload, mixed precision, its parameters). Private attributes of torch's:
+    a caller reading them catches ``AttributeError`` where torch's internals moved. Empty without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [
+        (module, group)
+        for module in model.modules()
+        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None
+    ]
+
+
+__all__ = ["fsdp2_param_groups", "param_numel"]

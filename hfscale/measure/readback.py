@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from hfscale.core.params import fsdp2_param_groups
 from hfscale.records.measurements import Wrapper
 from hfscale.strategy import FsdpSharding
 
@@ -193,15 +194,10 @@ def _fsdp_facts(model_wrapped: Any, model: Any, wrapper: Wrapper) -> tuple[FsdpS
     # FSDP2 keeps its settings in each unit's parameter group (private attributes: read defensively). The root
     # unit may stop resharding after forward whatever was asked (backward comes next), so the other units decide.
     try:
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+        from torch.distributed.fsdp import CPUOffloadPolicy
         from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
-        groups = []
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None:
-                    groups.append((module is model, group))
+        groups = [(module is model, group) for module, group in fsdp2_param_groups(model)]
         if not groups:
             return None, None
         inner = [g for is_root, g in groups if not is_root] or [g for _, g in groups]
@@ -221,16 +217,13 @@ def _fsdp2_param_dtype(model: Any, wrapper: Wrapper) -> str | None:
     if wrapper != "FSDP2":
         return None
     try:
-        from torch.distributed.fsdp import FSDPModule
-
         dtypes = {
             str(fsdp_param.param_dtype or fsdp_param.orig_dtype).removeprefix("torch.")
-            for module in model.modules()
-            if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None
+            for _, group in fsdp2_param_groups(model)
             for fsdp_param in group.fsdp_params
             if fsdp_param.orig_dtype.is_floating_point
         }
-    except (ImportError, AttributeError) as exc:
+    except AttributeError as exc:
         # FSDP2 sets its dtypes up at the first forward: a run that never took a step has none yet.
         logger.warning("FSDP2's parameter dtype could not be read (no forward yet, or torch internals moved): %s", exc)
         return None

@@ -343,9 +343,9 @@ def _fsdp_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
 
 def _gather_dtype_problems(strategy: Strategy, rec: VerificationRecord) -> list[str]:
     """FSDP2 under half precision: every unit gathers its parameters in the half type (not read: nothing said)."""
-    half = {"bf16": "bfloat16", "fp16": "float16"}.get(strategy.precision)
+    half = _EXPECTED_DTYPE[strategy.precision]
     ran = rec.fsdp_param_dtype
-    if half is None or ran is None or ran == half:
+    if strategy.precision == "fp32" or ran is None or ran == half:
         return []
     if half in ran.split(","):
         return [f"FSDP2 gathers the parameters in {ran}, not {half} alone: some units gather another dtype"]

@@ -160,7 +160,7 @@ def _null_that_fails(training_args: dict[str, Any], kwargs: dict[str, Any], refu
     only taking one out tells the null that fails from one the Trainer takes."""
     for key, value in training_args.items():
         if value is None and key in kwargs and kwargs[key] is None:
-            after = _refusal(_without(kwargs, key))
+            after = _refusal({k: v for k, v in kwargs.items() if k != key})
             if after is None or type(after) is not type(refused) or str(after) != str(refused):
                 return key
     return None
@@ -168,10 +168,6 @@ def _null_that_fails(training_args: dict[str, Any], kwargs: dict[str, Any], refu
 
 class _Placed(Exception):
     """Raised where ``TrainingArguments`` would place itself on a device: its own checks have passed."""
-
-
-def _without(kwargs: dict[str, Any], key: str) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k != key}
 
 
 @functools.cache

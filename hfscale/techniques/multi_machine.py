@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hfscale.core.collective import all_gather_object
+from hfscale.core.params import fsdp2_param_groups
 from hfscale.techniques.base import Technique, TrainedRun
 
 if TYPE_CHECKING:
@@ -71,16 +72,10 @@ def fsdp_mesh_facts(model: torch.nn.Module) -> tuple[dict[str, int] | None, list
     without FSDP2 or where torch's internals moved."""
     try:
         import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return None, None
     try:
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is None:  # a root with no parameters of its own
-                continue
+        for _, group in fsdp2_param_groups(model)[:1]:  # every unit shards on the same mesh
             info = group.mesh_info
             mesh: dict[str, int] = {}
             if getattr(info, "replicate_mesh_dim", None) is not None:
